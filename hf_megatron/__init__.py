@@ -1,0 +1,7 @@
+"""hf_megatron: Megatron-style parallel training for Hugging Face transformers models."""
+from .config import ConfigError, ModelConfig
+from .loading import from_pretrained
+from .model import GPTModel
+
+__version__ = "0.1.0"
+__all__ = ["ModelConfig", "ConfigError", "GPTModel", "from_pretrained", "__version__"]

@@ -1,0 +1,59 @@
+"""`hf-megatron <verb>`: the command-line entry point.
+
+Each verb lives in its own module exposing ``add_parser(subparsers)``; the
+parser it registers carries ``func=<callable(args) -> int>``.  Verbs are
+imported lazily so that `hf-megatron --help` stays fast and a broken optional
+dependency of one verb never breaks the others.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb module paths, in the order they appear in --help
+VERB_MODULES = [
+    "hf_megatron.commands.train",
+    "hf_megatron.commands.preprocess",
+    "hf_megatron.commands.convert",
+    "hf_megatron.commands.reshard",
+    "hf_megatron.commands.push",
+]
+
+
+class UserError(Exception):
+    """A bad input from the user: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-megatron",
+        description="Megatron-style training and checkpoint tools for Hugging Face models.",
+    )
+    subparsers = parser.add_subparsers(dest="verb", metavar="<verb>")
+    for name in VERB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # verb not written yet
+                continue
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, FileNotFoundError, ValueError) as exc:
+        print(f"hf-megatron {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `hf-megatron` verb (see hf_megatron/cli.py)."""

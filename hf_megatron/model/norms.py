@@ -1,0 +1,26 @@
+"""LayerNorm and RMSNorm, computed the way transformers computes them (fp32 statistics)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = w * x / sqrt(mean(x^2) + eps); statistics in fp32, cast back before the weight (as HF Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+def make_norm(config, dtype=None, device=None) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)

@@ -1,0 +1,47 @@
+"""Cross entropy over vocab-parallel logits, without gathering the full logits.
+
+Rank r holds logits z[..., v] for v in [vocab_start, vocab_end).  With m = max_v z_v
+(all-reduce MAX, no gradient needed: it cancels),
+
+    loss = log sum_v exp(z_v - m) + m - z_target
+         = log(all_reduce_sum(sum_{v local} exp(z_v - m))) + m - all_reduce_sum(z_target if local)
+
+Both sums go through `reduce_from_tp`, whose backward is the identity, so autograd gives
+each rank d loss / d z_local = softmax_local - onehot_local.  Logit columns at or past
+`vocab_size` (Megatron's vocab padding) are masked to -inf, so padded rows never touch the
+loss.  Targets equal to `ignore_index` give loss 0.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import comm, state
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Per-token losses (fp32), shape of `target`. `logits` is [..., padded_vocab / tp]."""
+    logits = logits.float()
+    per_rank = logits.shape[-1]
+    vocab_start = state.tp_rank() * per_rank
+    columns = torch.arange(vocab_start, vocab_start + per_rank, device=logits.device)
+    if vocab_size is not None and vocab_start + per_rank > vocab_size:
+        logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
+
+    with torch.no_grad():
+        max_logit = logits.max(dim=-1).values
+        if state.tp_size() > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=state.tp_group())
+    shifted = logits - max_logit.unsqueeze(-1)
+
+    ignored = target == ignore_index
+    local_target = target - vocab_start
+    outside = (local_target < 0) | (local_target >= per_rank) | ignored
+    local_target = local_target.masked_fill(outside, 0)
+    picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+    sum_exp = comm.reduce_from_tp(shifted.exp().sum(dim=-1))
+    target_logit = comm.reduce_from_tp(picked)
+    loss = torch.log(sum_exp) - target_logit
+    return loss.masked_fill(ignored, 0.0)

@@ -1,0 +1,65 @@
+"""Tiny transformers configs and helpers shared by the tests (2 layers, hidden 64)."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+from hf_megatron.conversion.layout import merge_tensor
+from hf_megatron.conversion.mappings import mcore_to_hf
+
+VOCAB = 300  # not a multiple of 128: exercises vocab padding
+
+
+def tiny_config(arch: str, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64)
+    if arch == "gpt2":
+        kw = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        kw.update(overrides)
+        return GPT2Config(**kw)
+    if arch == "llama":  # GQA + llama3 rope scaling
+        common.update(num_key_value_heads=2, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}, rope_theta=500000.0)
+        common.update(overrides)
+        return LlamaConfig(**common)
+    if arch == "mistral":  # sliding window shorter than the test sequence
+        common.update(num_key_value_heads=2, sliding_window=8)
+        common.update(overrides)
+        return MistralConfig(**common)
+    if arch == "qwen2":  # qkv bias, untied
+        common.update(num_key_value_heads=2, tie_word_embeddings=False)
+        common.update(overrides)
+        return Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def tiny_hf_model(arch: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    model = model.float()
+    # HF zero-inits biases; randomise them so bias mapping errors would show
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    return model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def hf_grads_from_mcore(full_grads: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Full megatron-core gradients -> HF names (same mapping as the weights)."""
+    return dict(mcore_to_hf(lambda n: full_grads[n], config))
+
+
+def local_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def merge_shards(per_rank: list[dict[str, torch.Tensor]], config) -> dict[str, torch.Tensor]:
+    """TP-rank dicts of local tensors -> full tensors (vocab padding removed)."""
+    return {name: merge_tensor(name, [d[name] for d in per_rank], config) for name in per_rank[0]}
