@@ -97,6 +97,9 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, backend: str | None = None
     # model-parallel (tp x pp x cp) and dp x cp groups, used for grad-norm and ZeRO
     axes["mp"] = [grid[:, d].reshape(-1).tolist() for d in range(grid.shape[1])]
     axes["dp_cp"] = [grid[p, :, :, t].reshape(-1).tolist() for p in range(pp) for t in range(tp)]
+    if pp > 1:  # tied word embeddings: first and last stage of each tp/dp/cp position
+        axes["embd"] = [[first, last] for first, last in zip(grid[0].reshape(-1).tolist(),
+                                                            grid[-1].reshape(-1).tolist())]
     for axis, all_groups in axes.items():
         for ranks in all_groups:
             # every rank must call new_group for every group, in the same order

@@ -1,0 +1,283 @@
+"""Pipeline parallelism: GPTModel split into stages, run with 1F1B or interleaved 1F1B.
+
+Stages.  With `pp` ranks and `vpp` virtual chunks per rank the model is cut into `pp * vpp`
+model chunks of contiguous layers (even split, or an explicit per-chunk layer list); rank r
+holds chunks r, r + pp, ..., r + (vpp - 1) * pp (Megatron's interleaved assignment).  Chunk 0
+owns the embedding, the last chunk owns the final norm, output layer and loss.
+
+Schedules come from `torch.distributed.pipelining`: `Schedule1F1B` (vpp = 1) and
+`ScheduleInterleaved1F1B` (vpp > 1).  Each chunk is wrapped in a small adapter module
+(`_StageModule`) because PipelineStage passes tensors, not our GPTOutput:
+
+    first chunk:   input_ids          -> hidden [s, b, h]    ([s/tp, b, h] with sequence parallel)
+    middle chunk:  hidden             -> hidden
+    last chunk:    hidden             -> loss_sum (0-d)      and num_tokens kept on the side
+    labels / position_ids / attention_mask reach every chunk as keyword arguments.
+
+The schedule's loss function is `loss_sum * loss_scale`, and `scale_grads=False`, so the
+gradient is exactly that of  sum_m loss_sum_m * loss_scale  (what one process computes).
+Stages are built in static mode (example input/output tensors given), so no shape-inference
+forward pass runs: it would advance the dropout RNG streams and, under TP, issue extra
+collectives.  Stage objects are cached per (shapes, dtype, forward_only) and rebuilt otherwise.
+
+Tied embeddings with pp > 1: the last stage holds its own `output_layer` copy of the word
+embedding; `allreduce_embedding_grads` sums the two gradients over the embedding group
+(first and last pipeline rank of this tp/dp/cp position) so both copies take the same step.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ModelConfig
+from ..conversion.layout import stage_layers
+from . import state
+
+
+# ----------------------------------------------------------------------------- building
+def chunk_layer_ranges(num_layers: int, pp: int, vpp: int = 1,
+                       layers_per_stage: list[int] | None = None) -> list[range]:
+    """Global layer numbers of each of the pp * vpp model chunks (in model order).
+
+    `layers_per_stage` lists the layers of every model chunk (pp * vpp entries); None splits
+    evenly."""
+    return [stage_layers(num_layers, pp * vpp, index, layers_per_stage) for index in range(pp * vpp)]
+
+
+def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int] | None = None,
+                       seed: int = 1234, **gpt_kwargs: Any) -> list:
+    """This rank's model chunks: chunk v holds model chunk v * pp + pp_rank.
+
+    `source`: a ModelConfig (fresh Megatron init from `seed`, the same weights as one process
+    would get) or anything `hf_megatron.from_pretrained` accepts (pretrained weights).
+    `gpt_kwargs` go to GPTModel (sequence_parallel, recompute, dtype, device)."""
+    from ..loading import from_pretrained
+    from ..model.gpt import GPTModel
+    if vpp < 1:
+        raise ValueError(f"virtual pipeline size must be >= 1, got {vpp}")
+    grid = state.get_state()
+    pp, pp_rank = grid.pp, grid.coords["pp"]
+    if isinstance(source, ModelConfig):
+        num_layers = source.num_layers
+    else:
+        from ..loading import _source
+        num_layers = ModelConfig.from_hf(_source(source)[0]).num_layers
+    ranges = chunk_layer_ranges(num_layers, pp, vpp, layers_per_stage)
+    total = pp * vpp
+    chunks = []
+    for v in range(vpp):
+        index = v * pp + pp_rank
+        layers = ranges[index]
+        stage = dict(pre_process=index == 0, post_process=index == total - 1,
+                     layer_offset=layers.start, num_layers=len(layers))
+        if isinstance(source, ModelConfig):
+            model = GPTModel(source, **stage, **gpt_kwargs)
+            model.init_weights(seed)
+        else:
+            model = from_pretrained(source, **stage, **gpt_kwargs)
+        chunks.append(model)
+    return chunks
+
+
+# ----------------------------------------------------------------------------- stages
+class _StageModule(nn.Module):
+    """Tensor-in / tensor-out view of one GPTModel chunk, as PipelineStage wants it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.num_tokens: list[torch.Tensor] = []  # last chunk: one count per micro batch
+        self.loss_sums: list[torch.Tensor] = []
+
+    def forward(self, first: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        gpt = _unwrap(self.model)
+        inputs = {"input_ids": first} if gpt.pre_process else {"hidden_states": first}
+        # labels also give middle chunks the [b, s] shape
+        out = self.model(labels=labels, return_logits=False, **inputs, **kwargs)
+        if not gpt.post_process:
+            return out.hidden_states
+        self.loss_sums.append(out.loss_sum.detach())
+        self.num_tokens.append(out.num_tokens)
+        return out.loss_sum
+
+
+def _activation_example(model: nn.Module, micro_batch: dict) -> torch.Tensor:
+    """A tensor shaped like the [s, b, h] activation entering / leaving a middle chunk."""
+    b, s = micro_batch["labels"].shape
+    tp = state.tp_size()
+    if model.sequence_parallel:
+        if s % tp:
+            raise ValueError(f"sequence length {s} is not divisible by tp={tp} (sequence parallelism)")
+        s //= tp
+    param = next(model.parameters())
+    return torch.empty(s, b, model.config.hidden_size, dtype=param.dtype, device=param.device)
+
+
+def _loss_example(micro_batch: dict) -> torch.Tensor:
+    return torch.zeros((), device=micro_batch["labels"].device)
+
+
+_CACHE: dict = {}  # forward_only -> (key, schedule, stage modules, loss-scale cell): the last one of each
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The GPTModel inside a DDP-style wrapper (which keeps it as `.module`)."""
+    return getattr(model, "module", model)
+
+
+def _schedule(chunks: list, micro_batches: list[dict], loss_scale: float, forward_only: bool):
+    """(schedule, stage modules) for these chunks and micro-batch shapes."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                               ScheduleInterleaved1F1B)
+    grid = state.get_state()
+    pp, pp_rank, vpp = grid.pp, grid.coords["pp"], len(chunks)
+    first = micro_batches[0]
+    key = (tuple(id(c) for c in chunks), tuple(first["labels"].shape), len(micro_batches))
+    cached = _CACHE.get(forward_only)
+    if cached is not None and cached[0] == key:
+        _, schedule, modules, scale = cached
+        scale[0] = loss_scale
+        return schedule, modules
+    modules = [_StageModule(chunk) for chunk in chunks]
+    chunks = [_unwrap(chunk) for chunk in chunks]
+    stages = []
+    for v, (chunk, module) in enumerate(zip(chunks, modules)):
+        index = v * pp + pp_rank
+        example_in = first["input_ids"] if chunk.pre_process else _activation_example(chunk, first)
+        if not chunk.pre_process:
+            example_in.requires_grad_(not forward_only)
+        example_out = _loss_example(first) if chunk.post_process else _activation_example(chunk, first)
+        example_out.requires_grad_(not forward_only)
+        device = next(chunk.parameters()).device
+        stages.append(PipelineStage(module, index, pp * vpp, device, input_args=example_in,
+                                    output_args=example_out, group=grid.group("pp")))
+    scale = [loss_scale]  # a mutable cell: the cached schedule's loss_fn reads the current scale
+
+    def scaled_loss(loss_sum: torch.Tensor, _target: Any) -> torch.Tensor:
+        return loss_sum * scale[0]
+
+    loss_fn = None if forward_only else scaled_loss
+    if vpp > 1:
+        schedule = ScheduleInterleaved1F1B(stages, len(micro_batches), loss_fn=loss_fn, scale_grads=False)
+    elif len(micro_batches) < pp:
+        # torch's 1F1B refuses fewer micro batches than stages; Megatron's 1F1B then runs every
+        # forward in its warm-up and every backward in its cool-down, which is GPipe's order
+        schedule = ScheduleGPipe(stages[0], len(micro_batches), loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = Schedule1F1B(stages[0], len(micro_batches), loss_fn=loss_fn, scale_grads=False)
+    _CACHE[forward_only] = (key, schedule, modules, scale)
+    return schedule, modules
+
+
+# ----------------------------------------------------------------------------- running
+def _check_micro_batches(micro_batches: list[dict], pp: int, vpp: int) -> None:
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro batch")
+    for i, mb in enumerate(micro_batches):
+        for key in ("input_ids", "labels"):
+            if key not in mb:
+                raise ValueError(f"micro batch {i} has no {key!r} (expected keys input_ids, labels, "
+                                 f"optional attention_mask, position_ids)")
+        if mb["input_ids"].shape != mb["labels"].shape:
+            raise ValueError(f"micro batch {i}: input_ids {tuple(mb['input_ids'].shape)} and labels "
+                             f"{tuple(mb['labels'].shape)} differ in shape")
+        for key in OPTIONAL_KEYS:
+            if (mb.get(key) is None) != (micro_batches[0].get(key) is None):
+                raise ValueError(f"micro batch {i}: {key!r} must be given in every micro batch or in none")
+        if mb["labels"].shape != micro_batches[0]["labels"].shape:
+            raise ValueError(f"micro batch {i} has shape {tuple(mb['labels'].shape)}, expected "
+                             f"{tuple(micro_batches[0]['labels'].shape)} like micro batch 0")
+    if vpp > 1 and len(micro_batches) % pp:
+        raise ValueError(f"interleaved pipeline schedule needs the number of micro batches "
+                         f"({len(micro_batches)}) to be a multiple of the pipeline size ({pp})")
+
+
+OPTIONAL_KEYS = ("attention_mask", "position_ids")
+
+
+def _extra_kwargs(mb: dict) -> dict:
+    """Optional model inputs, shaped [b, s] (a broadcast [1, s] position_ids is expanded)."""
+    shape = mb["labels"].shape
+    return {key: mb[key].expand(shape) for key in OPTIONAL_KEYS if mb.get(key) is not None}
+
+
+def _plain_loop(model, micro_batches, loss_scale, forward_only):
+    loss_sum = torch.zeros((), dtype=torch.float32)
+    num_tokens = torch.zeros((), dtype=torch.long)
+    for mb in micro_batches:
+        with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
+            out = model(mb["input_ids"], labels=mb["labels"], return_logits=False, **_extra_kwargs(mb))
+        if not forward_only:
+            (out.loss_sum * loss_scale).backward()
+        loss_sum = loss_sum.to(out.loss_sum.device) + out.loss_sum.detach().float()
+        num_tokens = num_tokens.to(out.num_tokens.device) + out.num_tokens
+    return {"loss_sum": loss_sum, "num_tokens": num_tokens}
+
+
+def forward_backward(chunks: list, micro_batches: list[dict], *, loss_scale: float = 1.0,
+                     forward_only: bool = False) -> dict[str, torch.Tensor]:
+    """Forward (and backward of loss_sum * loss_scale) of every micro batch through the pipeline.
+
+    Returns {"loss_sum", "num_tokens"} summed over micro batches, on every pipeline rank.
+    Gradients accumulate into .grad (call zero_grad yourself)."""
+    grid = state.get_state()
+    pp, vpp = grid.pp, len(chunks)
+    _check_micro_batches(micro_batches, pp, vpp)
+    if pp == 1:
+        if vpp != 1:
+            raise ValueError(f"virtual pipeline chunks ({vpp}) need pipeline size > 1")
+        return _plain_loop(chunks[0], micro_batches, loss_scale, forward_only)
+
+    schedule, modules = _schedule(chunks, micro_batches, loss_scale, forward_only)
+    for module in modules:
+        module.loss_sums.clear(), module.num_tokens.clear()
+    # step() splits one batch along dim 0 into equal micro batches: concatenating ours (all of
+    # one shape) gives them back unchanged
+    extras = [_extra_kwargs(mb) for mb in micro_batches]
+    batch = {"input_ids": torch.cat([mb["input_ids"] for mb in micro_batches]),
+             "labels": torch.cat([mb["labels"] for mb in micro_batches]),
+             **{key: torch.cat([extra[key] for extra in extras]) for key in extras[0]}}
+    input_ids = batch.pop("input_ids")
+    if forward_only:
+        with torch.no_grad():
+            schedule.step(input_ids, return_outputs=False, **batch)
+    else:
+        schedule.step(input_ids, target=batch["labels"], return_outputs=False, **batch)
+
+    device = micro_batches[0]["labels"].device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    last = modules[-1]
+    if _unwrap(last.model).post_process:
+        totals[0] = torch.stack([x.double() for x in last.loss_sums]).sum()
+        totals[1] = torch.stack(last.num_tokens).sum()
+    last.loss_sums.clear(), last.num_tokens.clear()
+    # only the last stage holds them: a sum over the pp group is a broadcast
+    dist.all_reduce(totals, group=grid.group("pp"))
+    return {"loss_sum": totals[0].float(), "num_tokens": totals[1].long()}
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+def allreduce_embedding_grads(chunks: list) -> None:
+    """Sum the word-embedding gradient (first stage) and its output-layer copy's (last stage).
+
+    y = x_out W^T on the last stage and e = W[ids] on the first use one matrix W in the tied
+    model, so dL/dW = dL/dW_first + dL/dW_last; after the all-reduce both copies hold it."""
+    grid = state.get_state()
+    chunks = [_unwrap(chunk) for chunk in chunks]
+    if grid.pp == 1 or not chunks[0].config.tie_word_embeddings:
+        return
+    group = grid.group("embd")
+    if group is None:  # a middle stage: not in any embedding group
+        return
+    params = []
+    if chunks[0].pre_process:
+        params.append(chunks[0].embedding.word_embeddings.weight)
+    if chunks[-1].post_process:
+        params.append(chunks[-1].output_layer.weight)
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad, group=group)
