@@ -1,0 +1,181 @@
+"""The training loop behind `hf-megatron train` (Megatron-LM's `pretrain`, small).
+
+    data (.bin/.idx prefixes, blend, split)  ->  GPT datasets with cached indices
+    model (HF weights, or a fresh init from an HF config)  ->  this rank's chunks
+    loop: global batch -> train_step -> log (stdout, tensorboard) -> eval -> save
+
+Runs in one process or under torchrun (NCCL on GPUs, gloo on CPUs).  Resume: `--load DIR`
+restores model, optimizer, scheduler and RNG, and the data continues after the consumed samples.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import state
+from . import trainer
+
+
+@dataclass
+class RunConfig:
+    """What to train on and where to write: everything that is not a TrainingConfig field."""
+
+    data_path: list[str]
+    hf_model: str | None = None  # pretrained weights (folder or Hub id)
+    hf_config: str | None = None  # fresh init from a config.json (file or folder)
+    split: str = "969,30,1"
+    seq_length: int = 1024
+    data_cache_path: str | None = None
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+    log_interval: int = 10
+    eval_interval: int | None = None
+    eval_iters: int = 10
+    tensorboard_dir: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def init_distributed() -> torch.device:
+    """Process group from torchrun's environment (if any); this rank's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def _model_source(run: RunConfig):
+    if run.hf_model:
+        return run.hf_model
+    if not run.hf_config:
+        raise ValueError("give --hf-model (pretrained weights) or --hf-config (fresh init from a config.json)")
+    from transformers import AutoConfig
+
+    from ..config import ModelConfig
+    path = Path(run.hf_config)
+    if not path.exists():
+        raise FileNotFoundError(f"--hf-config {path}: no such file or folder")
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+
+
+def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device, seq_length: int):
+    """Yield this dp rank's micro batches of each global batch, on `device`.
+
+    Megatron's samples hold seq_length + 1 tokens; our model applies transformers' causal shift
+    itself, so it reads the first seq_length tokens (keeping the sequence divisible for sequence
+    parallelism) and the window's last token goes unused."""
+    from ..data.loader import batch_iterator
+    grid = state.get_state()
+    num_micro = cfg.num_micro_batches(grid.dp)
+    iterator = batch_iterator(dataset, cfg.micro_batch_size, grid.rank_in("dp"), grid.dp, consumed)
+    while True:
+        micro = []
+        for _ in range(num_micro):
+            batch = next(iterator, None)
+            if batch is None:
+                return
+            micro.append({k: v[:, :seq_length].to(device, non_blocking=True) for k, v in batch.items()})
+        yield micro
+
+
+def _is_logger() -> bool:
+    """Last pipeline stage, tp rank 0, dp rank 0 prints (it has the loss first-hand)."""
+    grid = state.get_state()
+    return grid.coords["tp"] == 0 and grid.coords["dp"] == 0 and grid.coords["pp"] == grid.pp - 1
+
+
+def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
+    from ..data.builder import build_gpt_datasets
+    from .checkpoint import load_checkpoint, save_checkpoint
+
+    device = init_distributed()
+    trainer.setup_parallel(cfg)
+    grid = state.get_state()
+    chunks = trainer.build_model(_model_source(run), cfg, device=device)
+    optimizer = trainer.build_optimizer(chunks, cfg)
+    scheduler = trainer.build_scheduler(optimizer, cfg)
+    gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
+
+    iteration = 0
+    if run.load and (Path(run.load) / "latest_checkpointed_iteration.txt").is_file():
+        iteration = load_checkpoint(run.load, chunks, optimizer, scheduler)
+    eval_samples = 0
+    if run.eval_interval:
+        eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
+    train_ds, valid_ds, _ = build_gpt_datasets(
+        run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
+        seq_length=run.seq_length, seed=cfg.seed, num_samples=(cfg.train_iters * gbs, eval_samples or None, None),
+        cache_dir=run.data_cache_path or "auto")
+    if train_ds is None:
+        raise ValueError(f"--split {run.split!r} gives the training split no documents")
+
+    writer = None
+    if run.tensorboard_dir and _is_logger():
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(run.tensorboard_dir)
+
+    batches = _global_batches(train_ds, cfg, iteration * gbs, device, run.seq_length)
+    history, last = [], {}
+    window_start, window_tokens = time.perf_counter(), 0
+    while iteration < cfg.train_iters:
+        micro = next(batches, None)
+        if micro is None:
+            break
+        stats = trainer.train_step(chunks, optimizer, scheduler, micro)
+        iteration += 1
+        window_tokens += stats["num_tokens"]
+        history.append(stats["loss"])
+        last = stats
+        if writer:
+            for key in ("loss", "lr", "grad_norm", "loss_scale"):
+                if stats.get(key) is not None:
+                    writer.add_scalar(f"train/{key}", stats[key], iteration)
+        if iteration % run.log_interval == 0 or iteration == cfg.train_iters:
+            elapsed = time.perf_counter() - window_start
+            if _is_logger():
+                print(f" iteration {iteration:6d}/{cfg.train_iters} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e}"
+                      f" | grad norm {stats['grad_norm']:.3f} | tokens/s {window_tokens / max(elapsed, 1e-9):,.0f}"
+                      f"{' | skipped' if stats['skipped'] else ''}", flush=True)
+            window_start, window_tokens = time.perf_counter(), 0
+        if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
+            val = _evaluate(chunks, valid_ds, cfg, run, device)
+            if _is_logger():
+                print(f" validation at iteration {iteration} | loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}", flush=True)
+            if writer:
+                writer.add_scalar("valid/loss", val, iteration)
+        if run.save and run.save_interval and iteration % run.save_interval == 0:
+            save_checkpoint(run.save, iteration, chunks, optimizer, scheduler,
+                            extra={"consumed_train_samples": iteration * gbs, "loss": stats["loss"]})
+    summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
+               "tokens": iteration * gbs * run.seq_length, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+    if run.save and (not run.save_interval or iteration % run.save_interval):
+        save_checkpoint(run.save, iteration, chunks, optimizer, scheduler,
+                        extra={"consumed_train_samples": iteration * gbs, "loss": last.get("loss")})
+    if run.save and _is_logger():
+        Path(run.save, "training_summary.json").write_text(json.dumps(summary, indent=2))
+    if writer:
+        writer.close()
+    return summary
+
+
+def _evaluate(chunks, dataset, cfg, run, device) -> float:
+    losses = []
+    for i, micro in enumerate(_global_batches(dataset, cfg, 0, device, run.seq_length)):
+        if i == run.eval_iters:
+            break
+        losses.append(trainer.evaluate(chunks, micro))
+    return sum(losses) / max(len(losses), 1)
