@@ -1,0 +1,78 @@
+"""Learning-rate schedule in iterations, with Megatron's semantics.
+
+With warmup W, decay horizon D (> W), peak `lr` and floor `min_lr`, the rate used at
+iteration count n (n = number of optimizer steps already taken) is
+
+    n <= W (W > 0):   lr * n / W                                  (linear warmup from 0)
+    constant:         lr
+    n > D:            min_lr
+    otherwise, with r = (n - W) / (D - W):
+        linear:       min_lr + (lr - min_lr) * (1 - r)
+        cosine:       min_lr + (lr - min_lr) * (1 + cos(pi r)) / 2
+
+As in Megatron the scheduler is stepped *after* each optimizer step, so the first step runs
+at n = 0 (rate 0 when there is warmup).  Megatron counts in samples when given
+iterations (steps x global batch); the ratios are identical, so we count iterations.
+"""
+from __future__ import annotations
+
+import math
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+class LRScheduler:
+    def __init__(self, optimizer, lr: float, min_lr: float = 0.0, warmup_iters: int = 0,
+                 decay_iters: int | None = None, decay_style: str = "linear") -> None:
+        if decay_style not in DECAY_STYLES:
+            raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, got {decay_style!r}")
+        if not 0.0 <= min_lr <= lr:
+            raise ValueError(f"need 0 <= min_lr <= lr, got min_lr={min_lr}, lr={lr}")
+        if warmup_iters < 0:
+            raise ValueError(f"lr_warmup_iters must be >= 0, got {warmup_iters}")
+        if decay_iters is None:
+            decay_iters = max(warmup_iters + 1, 1)
+        if decay_style != "constant" and decay_iters <= warmup_iters:
+            raise ValueError(f"lr_decay_iters ({decay_iters}) must exceed lr_warmup_iters ({warmup_iters})")
+        self.optimizer = optimizer
+        self.max_lr, self.min_lr = float(lr), float(min_lr)
+        self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
+        self.num_steps = 0
+        self._apply()
+
+    def get_lr(self, num_steps: int | None = None) -> float:
+        n = self.num_steps if num_steps is None else num_steps
+        if self.warmup_iters > 0 and n <= self.warmup_iters:
+            return self.max_lr * n / self.warmup_iters
+        if self.decay_style == "constant":
+            return self.max_lr
+        if n > self.decay_iters:
+            return self.min_lr
+        ratio = (n - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
+        if self.decay_style == "linear":
+            coeff = 1.0 - ratio
+        else:
+            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def _apply(self) -> None:
+        lr = self.get_lr()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    def step(self, increment: int = 1) -> None:
+        self.num_steps += increment
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        return self.get_lr()
+
+    def state_dict(self) -> dict:
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters,
+                "lr_decay_steps": self.decay_iters, "lr_decay_style": self.decay_style,
+                "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state["num_steps"])
+        self._apply()

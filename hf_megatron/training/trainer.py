@@ -1,0 +1,213 @@
+"""`train_step`: one optimizer step over a global batch, in any tp / pp / dp layout.
+
+    cfg = TrainingConfig(micro_batch_size=2, global_batch_size=8, lr=3e-4, ...)
+    setup_parallel(cfg)                        # groups + RNG streams (after init_process_group)
+    chunks = build_model(hf_model_or_config, cfg)
+    optimizer, scheduler = build_optimizer(chunks, cfg), build_scheduler(optimizer, cfg)
+    for batch in data:                         # the *global* batch, [global_batch_size, s]
+        stats = train_step(chunks, optimizer, scheduler, split_batch(batch, cfg))
+
+Loss normalisation.  The step's loss is  L = (sum of per-token losses) / N  over the whole
+global batch, N = number of target tokens (labels != -100 after the causal shift) on all
+micro batches of all dp ranks.  N is all-reduced over dp *before* backward, every micro batch
+back-propagates  loss_sum * S / N  (S = fp16 loss scale, else 1), and gradients are then
+SUMMED over dp -- so any split of the global batch gives the gradient of the same L.
+
+Order after backward (Megatron's): sequence-parallel grads all-reduced over TP, tied embedding
+grads over the embedding group, all grads summed over dp, then unscale / inf check / clip /
+AdamW / cast back (optimizer), then the LR schedule advances (only after a real update).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import pipeline, state
+from ..parallel.data_parallel import allreduce_grads, allreduce_tensors, grad_of, micro_batches_for_rank
+from ..parallel.random import model_parallel_seed
+from .optimizer import LossScaler, MixedPrecisionOptimizer
+from .schedules import LRScheduler
+
+
+@dataclass
+class TrainingConfig:
+    """Training hyper-parameters, named as Megatron-LM's command-line arguments."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None  # None -> micro_batch_size x dp
+    train_iters: int = 1
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None -> train_iters
+    lr_decay_style: str = "linear"  # constant | linear | cosine
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # fp16 static scale; None -> dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_granularity: str | None = None  # None | "full" | "selective"
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("TrainingConfig: bf16 and fp16 are exclusive")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"TrainingConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ValueError("TrainingConfig.recompute_granularity must be None, 'full' or 'selective', "
+                             f"got {self.recompute_granularity!r}")
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def num_micro_batches(self, dp: int | None = None) -> int:
+        dp = state.get_state().dp if dp is None else dp
+        gbs = self.global_batch_size or self.micro_batch_size * dp
+        if gbs % (self.micro_batch_size * dp):
+            raise ValueError(f"TrainingConfig.global_batch_size={gbs} is not divisible by "
+                             f"micro_batch_size ({self.micro_batch_size}) x data-parallel size ({dp})")
+        return gbs // (self.micro_batch_size * dp)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainingConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"TrainingConfig: unknown field(s) {unknown}")
+        return cls(**data)
+
+
+def setup_parallel(cfg: TrainingConfig) -> state.ParallelState:
+    """Build the rank grid for cfg's degrees and seed the RNG streams."""
+    grid = state.initialize(tp=cfg.tensor_model_parallel_size, pp=cfg.pipeline_model_parallel_size)
+    model_parallel_seed(cfg.seed)
+    return grid
+
+
+def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
+    """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
+    return pipeline.build_model_chunks(
+        source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
+        sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_granularity,
+        dtype=cfg.params_dtype, **gpt_kwargs)
+
+
+def build_optimizer(chunks, cfg: TrainingConfig) -> MixedPrecisionOptimizer:
+    if cfg.fp16:
+        dynamic = cfg.loss_scale is None
+        scaler = LossScaler(cfg.initial_loss_scale if dynamic else cfg.loss_scale, dynamic=dynamic,
+                            min_scale=cfg.min_loss_scale, window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
+    else:
+        scaler = LossScaler()
+    return MixedPrecisionOptimizer(chunks, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                   clip_grad=cfg.clip_grad, loss_scaler=scaler,
+                                   distributed=cfg.use_distributed_optimizer)
+
+
+def build_scheduler(optimizer, cfg: TrainingConfig) -> LRScheduler:
+    return LRScheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters,
+                       cfg.lr_decay_iters or cfg.train_iters, cfg.lr_decay_style)
+
+
+def split_batch(batch: dict, cfg: TrainingConfig) -> list[dict]:
+    """The global batch -> this dp rank's micro batches (checks the global batch size)."""
+    grid = state.get_state()
+    size = next(v for v in batch.values() if isinstance(v, torch.Tensor)).shape[0]
+    expected = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
+    if size != expected:
+        raise ValueError(f"batch has {size} samples, expected global_batch_size={expected}")
+    return micro_batches_for_rank(batch, cfg.micro_batch_size, grid.rank_in("dp"), grid.dp)
+
+
+def count_target_tokens(micro_batches: list[dict]) -> torch.Tensor:
+    """Tokens that carry a loss: labels shifted left by one (the HF causal shift), != -100."""
+    return sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def sync_sequence_parallel_grads(params) -> None:
+    """SP params (norms, row biases) see one sequence shard per TP rank: sum over TP."""
+    grads = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
+    allreduce_tensors([g for g in grads if g is not None], state.tp_group())
+
+
+def sync_embedding_grads(chunks) -> None:
+    """Tied embeddings across pipeline stages; the fp32 main_grad path when mixed precision."""
+    tied = []
+    if state.get_state().pp > 1 and chunks[0].config.tie_word_embeddings:
+        if chunks[0].pre_process:
+            tied.append(chunks[0].embedding.word_embeddings.weight)
+        if chunks[-1].post_process:
+            tied.append(chunks[-1].output_layer.weight)
+    if not any(getattr(p, "main_grad", None) is not None for p in tied):
+        pipeline.allreduce_embedding_grads(chunks)
+        return
+    # pipeline.allreduce_embedding_grads reduces .grad; mixed precision keeps grads in main_grad
+    group = state.get_state().group("embd")
+    if group is not None:
+        for p in tied:
+            dist.all_reduce(p.main_grad, group=group)
+
+
+def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler | None,
+               micro_batches: list[dict]) -> dict[str, Any]:
+    """One optimizer step over this rank's micro batches (see the module docstring).
+
+    Returns {"loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
+    `loss_scale` are the values this step used."""
+    grid = state.get_state()
+    for chunk in chunks:
+        chunk.train()
+    optimizer.zero_grad()
+    device = micro_batches[0]["labels"].device
+    tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
+                         grid.group("dp"))
+    global_tokens = max(tokens.item(), 1.0)
+    loss_scale, lr = optimizer.loss_scale, optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
+    out = pipeline.forward_backward(chunks, micro_batches, loss_scale=loss_scale / global_tokens)
+    loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
+
+    params = optimizer.model_params
+    sync_sequence_parallel_grads(params)
+    sync_embedding_grads(chunks)
+    allreduce_grads(params, grid.group("dp"))
+    updated, grad_norm = optimizer.step()
+    if updated and scheduler is not None:
+        scheduler.step()
+    return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
+            "skipped": not updated, "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
+
+
+@torch.no_grad()
+def evaluate(chunks, micro_batches: list[dict]) -> float:
+    """Mean per-token loss over this dp group's micro batches (forward only)."""
+    for chunk in chunks:
+        chunk.eval()
+    out = pipeline.forward_backward(chunks, micro_batches, forward_only=True)
+    totals = torch.stack([out["loss_sum"].double(), out["num_tokens"].double()])
+    _all_reduce(totals, state.get_state().group("dp"))
+    return (totals[0] / totals[1].clamp(min=1)).item()
