@@ -1,0 +1,190 @@
+"""Training throughput of one parallel layout (run under torchrun; one process per GPU).
+
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --model 3b --tp 2 --sp --dist-opt --out r.json
+    python bench/bench_parallel.py --model 3b --hf-anchor --out anchor.json   # transformers, 1 GPU
+
+Model FLOPs per token (forward + backward = 3 x forward), causal attention counted once:
+    6 * (matmul params, embedding lookups excluded, output layer included) + 6 * L * s * h
+MFU = achieved model FLOP/s per GPU / the bf16 matmul peak measured on this GPU in the same run
+(`--peak`, from bench/matmul_peak.py); the datasheet dense peak (989 TFLOP/s) is reported beside it.
+Weights are random (normal(0, 0.02), drawn on the GPU): speed does not depend on their values.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODELS = {
+    # issue 7: Llama-style ~3B
+    "3b": dict(hidden_size=3072, num_layers=28, num_attention_heads=24, num_query_groups=8, ffn_hidden_size=8192,
+               vocab_size=128256),
+    # issue 8: Llama-3-8B shape
+    "8b": dict(hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=14336,
+               vocab_size=128256),
+    "1b": dict(hidden_size=2048, num_layers=16, num_attention_heads=32, num_query_groups=8, ffn_hidden_size=8192,
+               vocab_size=128256),
+    "tiny": dict(hidden_size=256, num_layers=4, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=512,
+                 vocab_size=1024),
+}
+DATASHEET_PEAK = 989e12
+
+
+def model_config(name: str, seq: int):
+    from hf_megatron.config import ModelConfig
+    return ModelConfig(model_type="llama", max_position_embeddings=seq, rotary_base=500000.0,
+                       norm_epsilon=1e-5, **MODELS[name])
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    h, L, f = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size
+    qkv = h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
+    proj = cfg.num_attention_heads * cfg.kv_channels * h
+    mlp = h * f * 3
+    matmul_params = L * (qkv + proj + mlp) + h * cfg.vocab_size
+    return 6 * matmul_params + 6 * L * seq * h
+
+
+def fast_random_init(chunks) -> None:
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                if "layernorm" in name:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, 0.02)
+
+
+def run_megatron(args) -> dict:
+    from hf_megatron.model.gpt import GPTModel
+    from hf_megatron.parallel import state
+    from hf_megatron.training import trainer
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        dist.init_process_group("nccl")
+    cfg = trainer.TrainingConfig(
+        micro_batch_size=args.mbs, global_batch_size=args.gbs, train_iters=args.steps + args.warmup, lr=1e-5,
+        bf16=True, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+        virtual_pipeline_model_parallel_size=args.vpp, sequence_parallel=args.sp,
+        use_distributed_optimizer=args.dist_opt, recompute_granularity=args.recompute)
+    trainer.setup_parallel(cfg)
+    grid = state.get_state()
+    model_cfg = model_config(args.model, args.seq)
+    original_init = GPTModel.init_weights
+    GPTModel.init_weights = lambda self, seed=0: None  # random values drawn on the GPU below
+    try:
+        chunks = trainer.build_model(model_cfg, cfg, device=torch.device("cuda", local))
+    finally:
+        GPTModel.init_weights = original_init
+    fast_random_init(chunks)
+    optimizer = trainer.build_optimizer(chunks, cfg)
+    num_micro = cfg.num_micro_batches(grid.dp)
+    gen = torch.Generator(device="cuda").manual_seed(grid.coords["dp"])
+    micro = [{"input_ids": ids, "labels": ids} for ids in
+             (torch.randint(0, model_cfg.vocab_size, (args.mbs, args.seq), device="cuda", generator=gen)
+              for _ in range(num_micro))]
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        trainer.train_step(chunks, optimizer, None, micro)
+    torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        stats = trainer.train_step(chunks, optimizer, None, micro)
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / args.steps
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return summarize(args, model_cfg, elapsed, world, loss=stats["loss"],
+                     layout=f"tp{args.tp} pp{args.pp} dp{grid.dp}" + (f" vpp{args.vpp}" if args.vpp else ""))
+
+
+def run_hf_anchor(args) -> dict:
+    """transformers LlamaForCausalLM, bf16 weights, fused torch AdamW, SDPA: the 1-GPU anchor."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    m = MODELS[args.model]
+    config = LlamaConfig(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
+                         intermediate_size=m["ffn_hidden_size"], num_hidden_layers=m["num_layers"],
+                         num_attention_heads=m["num_attention_heads"], num_key_value_heads=m["num_query_groups"],
+                         max_position_embeddings=args.seq, tie_word_embeddings=False)
+    torch.cuda.set_device(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    num_micro = args.gbs // args.mbs
+    ids = torch.randint(0, config.vocab_size, (num_micro, args.mbs, args.seq), device="cuda")
+
+    def step():
+        for i in range(num_micro):
+            loss = model(input_ids=ids[i], labels=ids[i]).loss / num_micro
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / args.steps
+    return summarize(args, model_config(args.model, args.seq), elapsed, 1, loss=loss.item() * num_micro,
+                     layout="transformers 1 GPU (bf16 weights + AdamW)")
+
+
+def summarize(args, cfg, step_time: float, world: int, loss: float, layout: str) -> dict:
+    tokens = args.gbs * args.seq
+    flops = flops_per_token(cfg, args.seq) * tokens / step_time / world
+    peak = args.peak or DATASHEET_PEAK
+    return {"model": args.model, "layout": layout, "gpus": world, "seq": args.seq, "global_batch": args.gbs,
+            "step_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
+            "tokens_per_s_per_gpu": round(tokens / step_time / world, 1), "tflops_per_gpu": round(flops / 1e12, 1),
+            "mfu_measured_peak": round(flops / peak, 4), "mfu_datasheet": round(flops / DATASHEET_PEAK, 4),
+            "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(float(loss), 4),
+            "sp": args.sp, "dist_opt": args.dist_opt, "recompute": args.recompute}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(MODELS), default="3b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--mbs", type=int, default=1)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=None)
+    parser.add_argument("--sp", action="store_true")
+    parser.add_argument("--dist-opt", action="store_true")
+    parser.add_argument("--recompute", choices=["full", "selective"], default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--peak", type=float, default=None, help="measured bf16 matmul FLOP/s")
+    parser.add_argument("--hf-anchor", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = run_hf_anchor(args) if args.hf_anchor else run_megatron(args)
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        Path(args.out).write_text(json.dumps(result))
+        print(json.dumps(result), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
