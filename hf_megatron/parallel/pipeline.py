@@ -16,9 +16,19 @@ Schedules come from `torch.distributed.pipelining`: `Schedule1F1B` (vpp = 1) and
 
 The schedule's loss function is `loss_sum * loss_scale`, and `scale_grads=False`, so the
 gradient is exactly that of  sum_m loss_sum_m * loss_scale  (what one process computes).
-Stages are built in static mode (example input/output tensors given), so no shape-inference
-forward pass runs: it would advance the dropout RNG streams and, under TP, issue extra
-collectives.  Stage objects are cached per (shapes, dtype, forward_only) and rebuilt otherwise.
+
+How torch.distributed.pipelining is used (nothing blocked it; three things needed care):
+* Stages are built in static mode (example input/output tensors given), so no shape-inference
+  forward/backward runs: it would advance the dropout RNG streams and, under TP, issue extra
+  collectives.  Stages and schedule are cached per (chunks, micro-batch shape, count) for
+  training and for forward-only, and rebuilt when those change.
+* The public `step()` takes one batch and splits it along dim 0 (the method that takes a list
+  of micro batches is private and skips step()'s per-call setup), so the micro batches, which
+  all have one shape, are concatenated and come back out unchanged.
+* `Schedule1F1B` refuses fewer micro batches than stages; Megatron's 1F1B then does all
+  forwards in its warm-up and all backwards in its cool-down, i.e. GPipe's order, so
+  `ScheduleGPipe` runs that case.  Interleaving keeps Megatron's rule (micro batches a
+  multiple of pp).
 
 Tied embeddings with pp > 1: the last stage holds its own `output_layer` copy of the word
 embedding; `allreduce_embedding_grads` sums the two gradients over the embedding group
@@ -78,6 +88,8 @@ def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int]
             model.init_weights(seed)
         else:
             model = from_pretrained(source, **stage, **gpt_kwargs)
+        # what flows between stages, even through a chunk that has no parameters
+        model.activation_dtype = gpt_kwargs.get("dtype") or torch.get_default_dtype()
         chunks.append(model)
     return chunks
 
@@ -112,7 +124,10 @@ def _activation_example(model: nn.Module, micro_batch: dict) -> torch.Tensor:
         if s % tp:
             raise ValueError(f"sequence length {s} is not divisible by tp={tp} (sequence parallelism)")
         s //= tp
-    param = next(model.parameters())
+    param = next(model.parameters(), None)
+    if param is None:  # a chunk without layers passes activations through unchanged
+        dtype = getattr(model, "activation_dtype", torch.get_default_dtype())
+        return torch.empty(s, b, model.config.hidden_size, dtype=dtype, device=micro_batch["labels"].device)
     return torch.empty(s, b, model.config.hidden_size, dtype=param.dtype, device=param.device)
 
 
@@ -151,7 +166,7 @@ def _schedule(chunks: list, micro_batches: list[dict], loss_scale: float, forwar
             example_in.requires_grad_(not forward_only)
         example_out = _loss_example(first) if chunk.post_process else _activation_example(chunk, first)
         example_out.requires_grad_(not forward_only)
-        device = next(chunk.parameters()).device
+        device = example_out.device
         stages.append(PipelineStage(module, index, pp * vpp, device, input_args=example_in,
                                     output_args=example_out, group=grid.group("pp")))
     scale = [loss_scale]  # a mutable cell: the cached schedule's loss_fn reads the current scale
