@@ -1,0 +1,124 @@
+"""``build_gpt_datasets``: Megatron's ``--data-path`` / ``--split`` semantics in one call.
+
+Split string "969,30,1" -> fractions ``f = w / sum(w)`` -> book-ends ``[0, f0, f0+f1, 1]``; split
+``i`` of a dataset with ``S`` sequences takes sequences ``round(b_i * S) .. round(b_{i+1} * S)``.
+A blend ``"w1 p1 w2 p2"`` builds each prefix's splits with ``ceil(ceil(n_i * w_i) * 1.005)``
+samples and blends ``sum_i ceil(n_i * w_i)`` of them (megatron-core's surplus rule).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from itertools import accumulate
+from typing import Sequence, Union
+
+import numpy as np
+
+from .blending import normalize
+from .gpt_dataset import BlendedDataset, GPTDataset
+from .indexed import IndexedDataset
+
+SPLITS = ("train", "valid", "test")
+Blend = Union[str, Sequence[str], tuple]
+
+
+def parse_blend(blend: Blend) -> tuple[list[str], list[float] | None]:
+    """"prefix" | "w1 p1 w2 p2" | "p1 p2" | ["w1", "p1", ...] | (prefixes, weights) -> (prefixes, weights)."""
+    if isinstance(blend, tuple) and len(blend) == 2 and not isinstance(blend[0], str):
+        prefixes, weights = list(blend[0]), (None if blend[1] is None else [float(w) for w in blend[1]])
+    else:
+        items = blend.split() if isinstance(blend, str) else [str(b) for b in blend]
+        if not items:
+            raise ValueError("data path / blend is empty: expected 'prefix' or 'w1 prefix1 w2 prefix2 ...'")
+        weights = None
+        if len(items) % 2 == 0:
+            try:
+                weights = [float(w) for w in items[0::2]]
+                prefixes = items[1::2]
+            except ValueError:
+                weights = None
+        if weights is None:
+            prefixes = items
+    if weights is not None and len(weights) != len(prefixes):
+        raise ValueError(f"blend has {len(prefixes)} prefixes but {len(weights)} weights")
+    return [p.strip() for p in prefixes], weights
+
+
+def split_bookends(split: str) -> list[tuple[float, float] | None]:
+    """"969,30,1" -> [(0, .969), (.969, .999), (.999, 1.0)]; a zero share gives None."""
+    values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    if not values or len(values) > 3 or sum(values) <= 0:
+        raise ValueError(f"split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+    fractions = normalize(values + [0.0] * (3 - len(values)))
+    ends = list(accumulate([0] + fractions))
+    return [(ends[i], ends[i + 1]) if ends[i + 1] > ends[i] else None for i in range(3)]
+
+
+def _open(prefix: str) -> IndexedDataset:
+    return IndexedDataset(prefix)
+
+
+def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache_dir, extra):
+    count = len(indexed)
+    out = []
+    for name, ends, size in zip(SPLITS, bookends, sizes):
+        if ends is None:
+            out.append(None)
+            continue
+        begin, end = int(round(ends[0] * float(count))), int(round(ends[1] * float(count)))
+        out.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), size, seq_length, seed,
+                              name, cache_dir, add_extra_token=extra))
+    return out
+
+
+def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
+                       num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
+                       add_extra_token: bool = True, mid_level_surplus: float = 0.005):
+    """(train, valid, test) datasets; a split with a zero share is None.
+
+    ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
+    ``num_samples``: samples wanted per split (None = one epoch; weighted blends need numbers).
+    ``cache_dir``: where the index .npy files go; "auto" = ``<dir of first prefix>/cache``,
+    None = build in memory on every rank.  Under torch.distributed only rank 0 builds.
+    """
+    prefixes, weights = parse_blend(data)
+    if len(num_samples) != 3:
+        raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
+    if cache_dir == "auto":
+        cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    bookends = split_bookends(split)
+    extra = bool(add_extra_token)
+    indexed = [_open(p) for p in prefixes]
+    for other in indexed[1:]:
+        if other.dtype != indexed[0].dtype:
+            raise ValueError(f"{other.idx_file}: token dtype {other.dtype.name} differs from "
+                             f"{indexed[0].idx_file}'s {indexed[0].dtype.name}; blended prefixes must "
+                             "come from one tokenizer")
+    if len(prefixes) == 1 and weights is None:
+        return tuple(_splits_of(indexed[0], bookends, num_samples, seq_length, seed, cache_dir, extra))
+
+    if weights is not None:
+        weights = normalize(weights)
+        if any(n is None for n, ends in zip(num_samples, bookends) if ends is not None):
+            raise ValueError("a weighted blend needs a sample count for every non-empty split")
+        target = [[math.ceil(n * w) if n is not None else None for n in num_samples] for w in weights]
+        buffered = [[int(math.ceil(t * (1 + mid_level_surplus))) if t is not None else None for t in row]
+                    for row in target]
+    else:
+        buffered = [[None] * 3 for _ in prefixes]
+    per_prefix = [_splits_of(ix, bookends, sizes, seq_length, seed, cache_dir, extra)
+                  for ix, sizes in zip(indexed, buffered)]
+    result = []
+    for i, name in enumerate(SPLITS):
+        if bookends[i] is None:
+            result.append(None)
+            continue
+        parts = [splits[i] for splits in per_prefix]
+        if weights is not None:
+            blend_weights, size = weights, sum(row[i] for row in target)
+        else:
+            blend_weights = [len(d) for d in parts]
+            size = None if num_samples[i] is None else min(num_samples[i], sum(blend_weights))
+        result.append(BlendedDataset(parts, blend_weights, size, name, cache_dir))
+    return tuple(result)

@@ -1,0 +1,75 @@
+"""Build-once index caching: rank 0 computes and saves, every rank then memory-maps the .npy files.
+
+Files are named ``{md5(description)}-{kind}-{split}-{array}.npy`` next to a
+``...-description.json`` holding the description itself, so any change of the inputs (data
+files, split, seed, sequence length, sample counts) yields a new hash and a rebuild, and a reused
+cache can be audited.  Writes are atomic (temp + rename) with the description written last: a
+description file on disk means all arrays are complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable
+
+import numpy as np
+
+CACHE_FORMAT = 1
+
+
+def description_hash(description: dict) -> str:
+    text = json.dumps(description, indent=2, sort_keys=True)
+    return hashlib.md5(text.encode("utf-8")).hexdigest()
+
+
+def _dist_rank() -> tuple[bool, int]:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # torch without distributed support
+        return False, 0
+    if dist.is_available() and dist.is_initialized():
+        return True, dist.get_rank()
+    return False, 0
+
+
+def _save_atomic(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp{os.getpid()}.npy"
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def cached_arrays(cache_dir: str | None, kind: str, split: str, description: dict,
+                  names: tuple[str, ...], build: Callable[[], tuple[np.ndarray, ...]]
+                  ) -> tuple[tuple[np.ndarray, ...], str]:
+    """Return the arrays ``names`` (built by ``build()`` on rank 0 unless already cached) and the
+    description hash.  With ``cache_dir=None`` every rank builds in memory and nothing is saved."""
+    description = {"format": CACHE_FORMAT, **description}
+    digest = description_hash(description)
+    if cache_dir is None:
+        return tuple(build()), digest
+    base = os.path.join(cache_dir, f"{digest}-{kind}-{split}")
+    paths = [f"{base}-{name}.npy" for name in names]
+    desc_path = f"{base}-description.json"
+    distributed, rank = _dist_rank()
+    hit = os.path.isfile(desc_path) and all(os.path.isfile(p) for p in paths)
+    built = None
+    if not hit and rank == 0:
+        os.makedirs(cache_dir, exist_ok=True)
+        built = tuple(build())
+        for path, array in zip(paths, built):
+            _save_atomic(path, array)
+        tmp = f"{desc_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as out:
+            json.dump(description, out, indent=2, sort_keys=True)
+        os.replace(tmp, desc_path)
+    if distributed:
+        import torch.distributed as dist
+        dist.barrier()  # always (a rank's own hit/miss may race with rank 0's writes)
+    if built is not None:
+        return built, digest
+    missing = [p for p in [desc_path, *paths] if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"{missing[0]}: index cache file missing after rank 0 built it "
+                                "(is the cache directory shared by all ranks?)")
+    return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths), digest

@@ -1,0 +1,235 @@
+"""Megatron's `MMIDIDX` indexed dataset: a raw token file (.bin) and its index (.idx).
+
+Layout of ``prefix.idx`` (little endian), as megatron-core writes it::
+
+    b"MMIDIDX\\x00\\x00"            9 bytes magic
+    version            <Q        always 1
+    dtype code         <B        1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+    sequence_count     <Q        S
+    document_count     <Q        D + 1 (document_indices starts with 0)
+    sequence_lengths   int32[S]  tokens per sequence
+    sequence_pointers  int64[S]  byte offset of each sequence in .bin  (= cumsum(lengths) * itemsize)
+    document_indices   int64[D+1] sequence index where each document ends (0, e1, e2, ...)
+
+``prefix.bin`` is the concatenation of all sequences, ``dtype`` each token; tokenizers with a
+vocabulary under 65500 use uint16, larger ones int32.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from typing import Iterable, Sequence
+
+import numpy as np
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # = 34
+
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+               6: np.float64, 7: np.float32, 8: np.uint16}
+CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def optimal_dtype(vocab_size: int | None) -> type:
+    """uint16 when every token id fits below 65500 (Megatron's rule), else int32."""
+    return np.uint16 if vocab_size is not None and vocab_size < 65500 else np.int32
+
+
+def idx_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def bin_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def _read_header(path: str) -> tuple[np.dtype, int, int]:
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(HEADER_BYTES)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
+    if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
+        raise ValueError(f"{path}: not a Megatron MMIDIDX index (wrong magic {head[:9]!r}, expected {MAGIC!r})")
+    if len(head) < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated index header ({len(head)} of {HEADER_BYTES} bytes)")
+    version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(MAGIC):])
+    if version != VERSION:
+        raise ValueError(f"{path}: unsupported index version {version}, expected {VERSION}")
+    if code not in DTYPE_CODES:
+        raise ValueError(f"{path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
+    return np.dtype(DTYPE_CODES[code]), seq_count, doc_count
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of ``prefix.bin`` / ``prefix.idx``.
+
+    ``ds[i]`` is sequence ``i`` as a zero-copy numpy array; ``ds.get(i, offset, length)`` a slice
+    of it, the access pattern of the GPT sample index.  Every inconsistency between the two files
+    (truncation, pointer/length mismatch) is reported naming the file at open time.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = str(prefix)
+        self.idx_file, self.bin_file = idx_path(self.prefix), bin_path(self.prefix)
+        self.dtype, seq_count, doc_count = _read_header(self.idx_file)
+        expected = HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
+        actual = os.path.getsize(self.idx_file)
+        if actual < expected:
+            raise ValueError(f"{self.idx_file}: truncated index ({actual} bytes, header promises "
+                             f"{seq_count} sequences and {doc_count} document entries = {expected} bytes)")
+        index = np.memmap(self.idx_file, dtype=np.uint8, mode="r")
+        self._index_map = index
+        self.sequence_lengths = np.frombuffer(index, np.int32, seq_count, HEADER_BYTES)
+        self.sequence_pointers = np.frombuffer(index, np.int64, seq_count, HEADER_BYTES + 4 * seq_count)
+        self.document_indices = np.frombuffer(index, np.int64, doc_count, HEADER_BYTES + 12 * seq_count)
+        if not os.path.isfile(self.bin_file):
+            raise FileNotFoundError(f"{self.bin_file}: data file not found (the index {self.idx_file} exists)")
+        itemsize = self.dtype.itemsize
+        needed = int(self.sequence_lengths.astype(np.int64).sum()) * itemsize
+        bin_size = os.path.getsize(self.bin_file)
+        if bin_size != needed:
+            what = "truncated" if bin_size < needed else "longer than its index says"
+            raise ValueError(f"{self.bin_file}: data file {what} ({bin_size} bytes, index {self.idx_file} "
+                             f"describes {needed} bytes of {self.dtype.name})")
+        if seq_count and (self.sequence_pointers[0] != 0 or not np.array_equal(
+                np.diff(self.sequence_pointers), self.sequence_lengths[:-1].astype(np.int64) * itemsize)):
+            raise ValueError(f"{self.idx_file}: corrupt index (sequence pointers do not follow the lengths)")
+        if doc_count and (self.document_indices[0] != 0 or self.document_indices[-1] != seq_count):
+            raise ValueError(f"{self.idx_file}: corrupt index (document indices must run from 0 to "
+                             f"{seq_count}, found {self.document_indices[0]}..{self.document_indices[-1]})")
+        # an empty .bin cannot be memory-mapped
+        self._data = np.memmap(self.bin_file, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return max(len(self.document_indices) - 1, 0)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``offset : offset+length`` of sequence ``idx`` (to its end when length is None)."""
+        start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + int(offset)
+        if length is None:
+            length = int(self.sequence_lengths[idx]) - int(offset)
+        return self._data[start: start + int(length)]
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        return self.get(idx)
+
+    def document(self, doc: int) -> np.ndarray:
+        """All tokens of document ``doc`` (its sequences are contiguous in .bin)."""
+        first, last = int(self.document_indices[doc]), int(self.document_indices[doc + 1])
+        if first == last:
+            return self._data[:0]
+        start = int(self.sequence_pointers[first]) // self.dtype.itemsize
+        stop = int(self.sequence_pointers[last - 1]) // self.dtype.itemsize + int(self.sequence_lengths[last - 1])
+        return self._data[start:stop]
+
+
+def _write_index(path: str, dtype: np.dtype, lengths: np.ndarray, doc_indices: np.ndarray) -> None:
+    lengths = np.asarray(lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    with open(path, "wb") as out:
+        out.write(MAGIC)
+        out.write(struct.pack("<QBQQ", VERSION, CODE_OF_DTYPE[np.dtype(dtype)], len(lengths), len(doc_indices)))
+        out.write(lengths.tobytes())
+        out.write(pointers.tobytes())
+        out.write(np.asarray(doc_indices, dtype=np.int64).tobytes())
+
+
+class IndexedDatasetWriter:
+    """Write ``prefix.bin``/``prefix.idx`` (megatron-core's IndexedDatasetBuilder semantics).
+
+    ``add_item(tokens)`` appends one sequence, ``end_document()`` closes the current document,
+    ``add_document(tokens, lengths)`` does both for a document of several sequences,
+    ``add_index(other_prefix)`` appends a whole dataset (merge).  Files are written under
+    temporary names and renamed by ``finalize()``, so a crash never leaves a half dataset that
+    looks complete.  Usable as a context manager (finalizes on success, cleans up on error).
+    """
+
+    def __init__(self, prefix: str, dtype=np.int32):
+        self.prefix = str(prefix)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"{prefix}: unsupported token dtype {self.dtype}")
+        parent = os.path.dirname(os.path.abspath(self.prefix))
+        os.makedirs(parent, exist_ok=True)
+        self._tmp_bin = bin_path(self.prefix) + f".tmp{os.getpid()}"
+        self._bin = open(self._tmp_bin, "wb")
+        self._lengths: list[np.ndarray] = []   # chunks of int32 lengths
+        self._pending: list[int] = []          # lengths not yet chunked
+        self._doc_ends: list[np.ndarray] = [np.zeros(1, np.int64)]
+        self._num_sequences = 0
+
+    def _flush_pending(self) -> None:
+        if self._pending:
+            self._lengths.append(np.asarray(self._pending, dtype=np.int32))
+            self._pending = []
+
+    def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
+        array = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(array.tobytes())
+        self._pending.append(array.size)
+        self._num_sequences += 1
+
+    def end_document(self) -> None:
+        self._doc_ends.append(np.array([self._num_sequences], np.int64))
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int]) -> None:
+        array = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(array.tobytes())
+        lengths = list(lengths)
+        self._pending.extend(lengths)
+        self._num_sequences += len(lengths)
+        self.end_document()
+
+    def add_index(self, prefix: str) -> None:
+        """Append every sequence and document of dataset ``prefix`` (same dtype required)."""
+        other = IndexedDataset(prefix)
+        if other.dtype != self.dtype:
+            raise ValueError(f"{other.idx_file}: dtype {other.dtype.name} differs from the merged "
+                             f"dataset's {self.dtype.name}")
+        self._flush_pending()
+        self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
+        self._doc_ends.append(other.document_indices[1:] + self._num_sequences)
+        self._num_sequences += len(other)
+        with open(other.bin_file, "rb") as src:
+            shutil.copyfileobj(src, self._bin, 16 << 20)
+
+    def finalize(self) -> None:
+        self._bin.close()
+        self._flush_pending()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
+        tmp_idx = idx_path(self.prefix) + f".tmp{os.getpid()}"
+        _write_index(tmp_idx, self.dtype, lengths, np.concatenate(self._doc_ends))
+        os.replace(self._tmp_bin, bin_path(self.prefix))
+        os.replace(tmp_idx, idx_path(self.prefix))  # the index last: it is what readers open first
+
+    def abort(self) -> None:
+        self._bin.close()
+        if os.path.exists(self._tmp_bin):
+            os.remove(self._tmp_bin)
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> None:
+    """Concatenate several datasets (all of one dtype) into ``output_prefix``, in order."""
+    if not prefixes:
+        raise ValueError("merge_datasets: no input prefixes given")
+    dtype = IndexedDataset(prefixes[0]).dtype
+    with IndexedDatasetWriter(output_prefix, dtype) as writer:
+        for prefix in prefixes:
+            writer.add_index(prefix)

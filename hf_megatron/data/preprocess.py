@@ -1,0 +1,168 @@
+"""Tokenise a corpus into ``{output_prefix}_{key}_document.bin/.idx`` (Megatron-LM's preprocess_data).
+
+Each input is cut into chunks (sources.py); ``workers`` processes each tokenise whole chunks
+into their own small indexed datasets, which are then concatenated in chunk order.  So the
+output is the same for any ``workers`` / ``partitions``, no token arrays cross processes, and a
+crash leaves only a temporary folder behind (final files are renamed into place last).
+
+One document per record: the record's text for each key is tokenised (special tokens as the
+tokenizer adds them); with ``append_eod`` the end-of-document id is appended to non-empty
+documents.  A document is one sequence (Megatron-LM's document level, no sentence splitting).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .indexed import IndexedDatasetWriter, optimal_dtype
+from .sources import expand_inputs, plan_chunks, read_chunk
+from .tokenizers import build_tokenizer
+
+BATCH_DOCS = 256
+_worker_state: dict = {}
+
+
+@dataclass
+class PreprocessOptions:
+    inputs: list[str]
+    output_prefix: str
+    json_keys: list[str]
+    tokenizer_type: str
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None
+    append_eod: bool = False
+    workers: int = 1
+    partitions: int = 1
+    split: str | None = None
+    progress: bool = True
+
+
+def output_prefix_for(prefix: str, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def _tokenizer_of(options: PreprocessOptions):
+    return build_tokenizer(options.tokenizer_type, options.tokenizer_model, options.vocab_file,
+                           options.merge_file, options.vocab_size)
+
+
+def _init_worker(options: PreprocessOptions) -> None:
+    _worker_state["tokenizer"] = _tokenizer_of(options)
+    _worker_state["options"] = options
+
+
+def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]:
+    """Tokenise chunk ``job`` into ``{part_prefix}_{key}``; returns (index, docs, bytes, tokens)."""
+    index, chunk, part_prefix, dtype_name = job
+    tokenizer, options = _worker_state["tokenizer"], _worker_state["options"]
+    keys = options.json_keys
+    writers = {k: IndexedDatasetWriter(f"{part_prefix}_{k}", np.dtype(dtype_name)) for k in keys}
+    docs = nbytes = ntokens = 0
+    batch: list[dict] = []
+
+    def flush():
+        nonlocal ntokens
+        for key in keys:
+            for ids in tokenizer.tokenize_batch([str(doc[key]) for doc in batch]):
+                if ids and options.append_eod:
+                    ids = list(ids) + [tokenizer.eod]
+                writers[key].add_document(ids, [len(ids)] if ids else [])
+                ntokens += len(ids)
+        batch.clear()
+
+    try:
+        for doc, size in read_chunk(chunk, keys):
+            batch.append(doc)
+            docs += 1
+            nbytes += size
+            if len(batch) == BATCH_DOCS:
+                flush()
+        flush()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    for writer in writers.values():
+        writer.finalize()
+    return index, docs, nbytes, ntokens
+
+
+def _progress(options: PreprocessOptions, total_docs: int | None):
+    if not options.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total_docs, unit="docs", unit_scale=True, desc="preprocess", mininterval=0.5)
+
+
+def preprocess(options: PreprocessOptions) -> dict:
+    """Run the whole preprocessing; returns counts and the output prefixes."""
+    if not options.json_keys:
+        raise ValueError("--json-keys needs at least one key")
+    if options.workers < 1 or options.partitions < 1:
+        raise ValueError("--workers and --partitions must be >= 1")
+    tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
+    if options.append_eod and tokenizer.eod is None:
+        raise ValueError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
+                         "end-of-document (eos) token")
+    dtype_name = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
+    paths = expand_inputs(options.inputs)
+    chunks = plan_chunks(paths, max(options.partitions, 4 * options.workers if options.workers > 1 else 1),
+                         64 << 20, options.split)
+    out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    parts_dir = os.path.abspath(options.output_prefix) + f".parts.tmp{os.getpid()}"
+    os.makedirs(parts_dir, exist_ok=True)
+    jobs = [(i, chunk, os.path.join(parts_dir, f"{i:06d}"), dtype_name) for i, chunk in enumerate(chunks)]
+    totals = {"documents": 0, "bytes": 0, "tokens": 0}
+    bar = _progress(options, None)
+    start = time.perf_counter()
+    pool = None
+    try:
+        if options.workers == 1:
+            _init_worker(options)
+            results = map(_encode_chunk, jobs)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers must not share Rust threads
+            methods = multiprocessing.get_all_start_methods()
+            context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+            pool = context.Pool(options.workers, initializer=_init_worker, initargs=(options,))
+            results = pool.imap_unordered(_encode_chunk, jobs)
+        for _, docs, nbytes, ntokens in results:
+            totals["documents"] += docs
+            totals["bytes"] += nbytes
+            totals["tokens"] += ntokens
+            if bar is not None:
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                bar.update(docs)
+                bar.set_postfix_str(f"{totals['bytes'] / elapsed / 1e6:.2f} MB/s")
+        if pool is not None:
+            pool.close()
+            pool.join()
+            pool = None
+        outputs = {}
+        for key in options.json_keys:
+            final = output_prefix_for(options.output_prefix, key)
+            parts = [f"{job[2]}_{key}" for job in jobs]
+            with IndexedDatasetWriter(final, np.dtype(dtype_name)) as writer:
+                for part in parts:
+                    writer.add_index(part)
+            outputs[key] = final
+    finally:
+        if pool is not None:
+            pool.terminate()
+        if bar is not None:
+            bar.close()
+        shutil.rmtree(parts_dir, ignore_errors=True)
+    elapsed = time.perf_counter() - start
+    totals.update(outputs=outputs, seconds=elapsed, docs_per_s=totals["documents"] / max(elapsed, 1e-9),
+                  mb_per_s=totals["bytes"] / 1e6 / max(elapsed, 1e-9), dtype=dtype_name)
+    return totals
+

@@ -1,0 +1,133 @@
+"""Tokenizers for preprocessing, named as Megatron-LM's ``--tokenizer-type`` values.
+
+Each exposes ``tokenize(text) -> list[int]``, ``tokenize_batch(texts)``, ``eod`` (end-of-document
+id appended by ``--append-eod``) and ``vocab_size`` (which picks the .bin token dtype).
+
+* ``HuggingFaceTokenizer``  --tokenizer-model DIR_OR_HUB_ID (AutoTokenizer; special tokens as the
+  tokenizer adds them, like Megatron-LM)
+* ``GPT2BPETokenizer``      --vocab-file vocab.json --merge-file merges.txt
+* ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer``  --tokenizer-model x.model
+* ``Llama2Tokenizer``       --tokenizer-model x.model (SentencePiece with BOS prepended)
+* ``NullTokenizer``         text is already whitespace-separated ids; --vocab-size N, eod = N-1
+
+``train_bpe_tokenizer`` / ``train_sentencepiece_tokenizer`` make a new one from a corpus.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                   "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
+
+
+def _require_file(path: str | None, flag: str, what: str) -> str:
+    if not path:
+        raise ValueError(f"{flag} is required ({what})")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: {what} not found ({flag})")
+    return path
+
+
+class HFTokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        eod = tokenizer.eos_token_id
+        if eod is None:
+            eod = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
+        self.eod = eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts).input_ids if texts else []
+
+
+class SentencePieceTokenizer:
+    def __init__(self, model_file: str, add_bos: bool = False):
+        import sentencepiece
+
+        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.vocab_size = self.processor.get_piece_size()
+        self.eod = self.processor.eos_id()
+        self.add_bos = add_bos
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.processor.encode(text, add_bos=self.add_bos)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.processor.encode(texts, add_bos=self.add_bos) if texts else []
+
+
+class NullTokenizer:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(t) for t in texts]
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None, vocab_size: int | None = None):
+    """The tokenizer named by Megatron-LM's flags (see the module docstring)."""
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ValueError("--tokenizer-model is required for HuggingFaceTokenizer (a tokenizer directory or Hub id)")
+        from transformers import AutoTokenizer
+
+        try:
+            return HFTokenizer(AutoTokenizer.from_pretrained(tokenizer_model))
+        except OSError as exc:
+            raise FileNotFoundError(f"{tokenizer_model}: cannot load a transformers tokenizer ({exc})".splitlines()[0]) from None
+    if tokenizer_type == "GPT2BPETokenizer":
+        from transformers import GPT2TokenizerFast
+
+        vocab = _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
+        merges = _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
+        return HFTokenizer(GPT2TokenizerFast(vocab_file=vocab, merges_file=merges))
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        model = _require_file(tokenizer_model, "--tokenizer-model", "SentencePiece model file")
+        return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")
+    if tokenizer_type == "NullTokenizer":
+        if not vocab_size:
+            raise ValueError("--vocab-size is required for NullTokenizer")
+        return NullTokenizer(vocab_size)
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir: str,
+                        eos_token: str = "<|endoftext|>"):
+    """Train a byte-level BPE (``tokenizers``) on ``texts`` and save it as a transformers tokenizer
+    directory (loadable with ``AutoTokenizer`` / ``--tokenizer-type HuggingFaceTokenizer``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos_token, bos_token=eos_token,
+                                   unk_token=eos_token)
+    fast.save_pretrained(output_dir)
+    return fast
+
+
+def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int, model_prefix: str,
+                                  model_type: str = "bpe") -> str:
+    """Train a SentencePiece model on ``texts``; returns the path of ``{model_prefix}.model``."""
+    import sentencepiece
+
+    os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=model_prefix, vocab_size=vocab_size,
+        model_type=model_type, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+        hard_vocab_limit=False, minloglevel=2)
+    return model_prefix + ".model"

@@ -1,0 +1,135 @@
+"""GPT document/sample/shuffle indices and blending indices equal megatron-core 0.16.1's arrays."""
+import os
+
+import numpy as np
+import pytest
+
+from data_oracle import IndexedDataset as McoreIndexed
+from data_oracle import mcore_datasets, write_random_corpus
+from hf_megatron.data import build_gpt_datasets
+from hf_megatron.data.gpt_dataset import BlendedDataset
+
+GPT_ARRAYS = ("document_index", "sample_index", "shuffle_index")
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpora")
+    # >= 1000 documents so that "969,30,1" leaves every split non-empty (megatron-core loops
+    # forever on an empty split)
+    write_random_corpus(str(root / "a"), 1000, seed=0, max_len=50)
+    write_random_corpus(str(root / "b"), 1200, seed=1, max_len=30, sequences_per_doc=2)
+    return root
+
+
+def _window(sample, extra=True):
+    """megatron-core's (tokens, labels) back to the raw window it cut from the corpus."""
+    tokens = sample["tokens"].numpy()
+    return np.concatenate([tokens, sample["labels"].numpy()[-1:]]) if extra else tokens
+
+
+def _assert_gpt_equal(ours, theirs):
+    assert len(ours) == len(theirs)
+    for name in GPT_ARRAYS:
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype, name
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    for k in {0, len(theirs) // 2, len(theirs) - 1}:  # sample windows too
+        np.testing.assert_array_equal(ours[k], _window(theirs[k], ours.extra == 1))
+
+
+def _assert_blend_equal(ours, theirs):
+    assert isinstance(ours, BlendedDataset)
+    np.testing.assert_array_equal(ours.dataset_index, theirs.dataset_index)
+    assert ours.dataset_index.dtype == theirs.dataset_index.dtype
+    np.testing.assert_array_equal(ours.dataset_sample_index, theirs.dataset_sample_index)
+    for mine, ref in zip(ours.datasets, theirs.datasets):
+        _assert_gpt_equal(mine, ref)
+
+
+def _per_epoch(prefix, seq):
+    """Samples in one epoch of the train split of "969,30,1" (megatron's formula, from its reader)."""
+    reader = McoreIndexed(prefix)  # keep it alive: it unmaps its arrays when collected
+    tokens = int(reader.sequence_lengths[:969].sum())
+    return (tokens - 1) // seq
+
+
+# (split, seq_length, seed, sizes, add_extra_token): one epoch; three epochs with the last one
+# merged (it gives >= 80% of an epoch) and separated (< 80%); two splits; no extra token.
+# A float size f means f epochs' worth of train samples.
+SINGLE_CONFIGS = {
+    "one_epoch": ("969,30,1", 16, 1234, [None, None, None], True),
+    "epochs_merged": ("969,30,1", 16, 7, [2.9, 100, 10], True),
+    "epochs_separate_final": ("969,30,1", 16, 7, [2.1, 100, 10], True),
+    "two_splits": ("90,10", 24, 99, [500, 60, None], True),
+    "no_extra_token": ("969,30,1", 8, 3, [4000, 20, 5], False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SINGLE_CONFIGS))
+def test_single_prefix_indices_equal_mcore(corpora, tmp_path, name):
+    split, seq, seed, sizes, extra = SINGLE_CONFIGS[name]
+    prefix = str(corpora / "a")
+    if isinstance(sizes[0], float):
+        sizes = [int(sizes[0] * _per_epoch(prefix, seq))] + sizes[1:]
+    theirs = mcore_datasets(([prefix], None), split, seq, seed, sizes, extra)
+    ours = build_gpt_datasets(prefix, split, seq, seed, tuple(sizes), cache_dir=str(tmp_path),
+                              add_extra_token=extra)
+    for mine, ref in zip(ours, theirs):
+        assert (mine is None) == (ref is None)
+        if ref is not None:
+            _assert_gpt_equal(mine, ref)
+    train = ours[0]
+    epochs = len(train.document_index) // len(np.unique(train.document_index))
+    if name.startswith("epochs"):
+        assert epochs == 3
+        last = np.sort(train.document_index[-len(train.document_index) // 3:])
+        # the separately shuffled final epoch holds every document exactly once
+        assert np.array_equal(last, np.unique(train.document_index)) == (name == "epochs_separate_final")
+
+
+@pytest.mark.parametrize("weights,sizes", [([0.3, 0.7], [3000, 80, 20]), ([2, 1], [500, 40, 4]),
+                                           (None, [800, 30, 10]), (None, [None, None, None])])
+def test_blend_indices_equal_mcore(corpora, tmp_path, weights, sizes):
+    prefixes = [str(corpora / "a"), str(corpora / "b")]
+    theirs = mcore_datasets((prefixes, weights), "969,30,1", 16, 1234, sizes)
+    if weights is None:
+        blend = " ".join(prefixes)
+    else:
+        blend = f"{weights[0]} {prefixes[0]} {weights[1]} {prefixes[1]}"
+    ours = build_gpt_datasets(blend, "969,30,1", 16, 1234, tuple(sizes), cache_dir=str(tmp_path))
+    for mine, ref in zip(ours, theirs):
+        _assert_blend_equal(mine, ref)
+        k = len(ref) // 3
+        np.testing.assert_array_equal(mine[k], _window(ref[k]))
+
+
+def test_cache_reused_and_rebuilt_on_change(corpora, tmp_path):
+    prefix = str(corpora / "a")
+    first = build_gpt_datasets(prefix, "969,30,1", 16, 5, (300, 10, 2), cache_dir=str(tmp_path))[0]
+    files = sorted(os.listdir(tmp_path))
+    assert len([f for f in files if f.endswith("description.json")]) == 3
+    again = build_gpt_datasets(prefix, "969,30,1", 16, 5, (300, 10, 2), cache_dir=str(tmp_path))[0]
+    assert isinstance(again.shuffle_index, np.memmap)  # loaded, not rebuilt
+    assert sorted(os.listdir(tmp_path)) == files
+    for name in GPT_ARRAYS:
+        np.testing.assert_array_equal(getattr(first, name), getattr(again, name))
+    changed = build_gpt_datasets(prefix, "969,30,1", 16, 6, (300, 10, 2), cache_dir=str(tmp_path))[0]
+    assert not isinstance(changed.shuffle_index, np.memmap) and changed.hash != first.hash
+    assert len(os.listdir(tmp_path)) == 2 * len(files)
+
+
+def test_blend_dtype_mismatch_names_file(tmp_path):
+    write_random_corpus(str(tmp_path / "u16"), 50, seed=0, dtype=np.uint16)
+    write_random_corpus(str(tmp_path / "i32"), 50, seed=0, dtype=np.int32)
+    with pytest.raises(ValueError, match="i32.idx.*int32.*u16.idx"):
+        build_gpt_datasets(f"1 {tmp_path}/u16 1 {tmp_path}/i32", "1", 8, 1, (10, 0, 0), cache_dir=None)
+
+
+def test_missing_prefix_and_empty_split_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothere.idx"):
+        build_gpt_datasets(str(tmp_path / "nothere"), "1", 8, 1, (10, 0, 0), cache_dir=None)
+    write_random_corpus(str(tmp_path / "small"), 300, seed=0)
+    # "969,30,1" over 300 documents leaves the test split empty: megatron-core hangs, we say so
+    with pytest.raises(ValueError, match="small.idx: the test split has 0 sequences"):
+        build_gpt_datasets(str(tmp_path / "small"), "969,30,1", 8, 1, (10, 2, 1), cache_dir=None)
