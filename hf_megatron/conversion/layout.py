@@ -115,10 +115,9 @@ def shard_for_model(full: dict[str, torch.Tensor], model) -> dict[str, torch.Ten
     return local
 
 
-def random_full_state_dict(config: ModelConfig, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """Megatron-style initial weights at full size: normal(0, std) for matrices and embeddings,
-    output projections (linear_proj, linear_fc2) with std / sqrt(2 * num_layers), zero biases,
-    unit norm weights.  Same seed -> same weights in every parallel layout."""
+def full_shapes(config: ModelConfig, padded_vocab: bool = True) -> dict[str, torch.Size]:
+    """Names and shapes of the full (single-process) megatron-core weights; vocab rows padded
+    (as a tp=1 model holds them) or not."""
     from ..model.gpt import GPTModel  # a meta-device model gives the names and shapes
     from ..parallel import state
     saved = state.get_state()
@@ -128,6 +127,18 @@ def random_full_state_dict(config: ModelConfig, seed: int = 1234) -> dict[str, t
             shapes = {k: v.shape for k, v in GPTModel(config).state_dict().items()}
     finally:
         state.set_state(saved)
+    if not padded_vocab:
+        for name in VOCAB_PARAMS:
+            if name in shapes:
+                shapes[name] = torch.Size((config.vocab_size,) + tuple(shapes[name][1:]))
+    return shapes
+
+
+def random_full_state_dict(config: ModelConfig, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """Megatron-style initial weights at full size: normal(0, std) for matrices and embeddings,
+    output projections (linear_proj, linear_fc2) with std / sqrt(2 * num_layers), zero biases,
+    unit norm weights.  Same seed -> same weights in every parallel layout."""
+    shapes = full_shapes(config)
     gen = torch.Generator().manual_seed(seed)
     std, scaled = config.init_method_std, config.init_method_std / math.sqrt(2.0 * config.num_layers)
     full = {}

@@ -1,0 +1,59 @@
+"""`hf-megatron convert`: Hugging Face <-> Megatron checkpoints.
+
+    hf-megatron convert hf-to-megatron --hf meta-llama/Llama-3.2-1B --out ckpt/ --tp 2 --pp 2 --verify
+    hf-megatron convert megatron-to-hf --megatron ckpt/ --out hf_out/ --dtype bf16 --verify
+
+The Megatron side is Megatron-LM's layout (latest_checkpointed_iteration.txt,
+iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt); megatron-to-hf also reads checkpoints written by
+Megatron-LM itself (mcore or legacy names, torch or torch_dist format).  Outputs appear only
+when complete.  --verify compares logits of source and result on a fixed prompt.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("convert", help="convert checkpoints between HF and Megatron layouts",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    directions = parser.add_subparsers(dest="direction", metavar="<direction>", required=True)
+
+    to_megatron = directions.add_parser("hf-to-megatron", help="HF folder or Hub id -> Megatron checkpoint")
+    to_megatron.add_argument("--hf", required=True, help="save_pretrained folder or Hub repo id")
+    to_megatron.add_argument("--out", required=True, help="new Megatron checkpoint folder")
+    to_megatron.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    to_megatron.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_megatron.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    to_megatron.add_argument("--dtype", default=None, help="store weights as fp32 | bf16 | fp16 (default: as is)")
+    to_megatron.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    to_megatron.set_defaults(func=run_to_megatron)
+
+    to_hf = directions.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF folder (safetensors)")
+    to_hf.add_argument("--megatron", required=True, help="checkpoint root (with the tracker) or an iter_* folder")
+    to_hf.add_argument("--out", required=True, help="new HF folder")
+    to_hf.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: as stored)")
+    to_hf.add_argument("--tokenizer", default=None, help="tokenizer folder to copy (default: <megatron>/tokenizer)")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    to_hf.add_argument("--vocab-size", type=int, default=None,
+                       help="true vocabulary size, for Megatron-LM checkpoints that store only the padded one")
+    to_hf.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    to_hf.set_defaults(func=run_to_hf)
+
+
+def _print_report(report: dict) -> None:
+    if "verify" in report:
+        print(report["verify"])
+    print(f"wrote {report['out']}")
+
+
+def run_to_megatron(args) -> int:
+    from hf_megatron.conversion.convert import hf_to_megatron
+    _print_report(hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.verify))
+    return 0
+
+
+def run_to_hf(args) -> int:
+    from hf_megatron.conversion.convert import megatron_to_hf
+    _print_report(megatron_to_hf(args.megatron, args.out, args.dtype, args.tokenizer, args.max_shard_size,
+                                 args.verify, args.vocab_size))
+    return 0

@@ -1,0 +1,29 @@
+"""`hf-megatron reshard`: re-split a Megatron checkpoint to another TP / PP layout, without HF.
+
+    hf-megatron reshard --src ckpt_tp2_pp2/ --out ckpt_tp4/ --tp 4 --pp 1 --verify
+
+Model weights only: optimizer state is not carried over (restart the optimizer, or reshard
+before training starts).  The iteration number and tokenizer files are kept.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("reshard", help="change the TP/PP layout of a Megatron checkpoint",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--src", required=True, help="Megatron checkpoint root or iter_* folder")
+    parser.add_argument("--out", required=True, help="new checkpoint folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
+    parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hf_megatron.commands.convert import _print_report
+    from hf_megatron.conversion.convert import reshard
+    _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify))
+    return 0

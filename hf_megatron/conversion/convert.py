@@ -1,0 +1,152 @@
+"""The three conversions: HF -> Megatron, Megatron -> HF, Megatron -> Megatron (reshard).
+
+Every output is built in a hidden staging folder next to `out` and renamed into place only
+after all files (and `--verify`, when asked) succeeded; the Megatron tracker file is written
+last inside it.  An interrupted run leaves `.<out>.partial-*`, never a folder that looks done.
+
+A Megatron folder we write also keeps what HF needs to come back exactly: `args.hf_config`,
+`args.hf_generation_config`, and the tokenizer files in `<out>/tokenizer/`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from .hf_io import HFCheckpoint
+from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
+from .mappings import hf_to_mcore
+from .megatron_ckpt import open_megatron
+from .megatron_files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
+from .megatron_writer import write_megatron
+from .verify import fixed_prompt, hf_logits, compare, megatron_logits
+
+TOKENIZER_SUBDIR = "tokenizer"
+TRAINING_INFO = "hf_megatron_training.json"
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def parse_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {name!r}") from None
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _finish_megatron(staging: StagingDir, iteration) -> None:
+    write_text_atomic(staging.path / TRACKER, str(iteration))
+
+
+def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                   dtype: str | None = None, verify: bool = False) -> dict[str, Any]:
+    source_ckpt = HFCheckpoint(hf)
+    config = ModelConfig.from_hf(source_ckpt.config)
+    target = parse_dtype(dtype)
+    generation = source_ckpt.path / "generation_config.json"
+    args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}
+
+    def source(layers):
+        return ((n, _cast(t, target)) for n, t in hf_to_mcore(source_ckpt.get, config, layers))
+
+    report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp}
+    with StagingDir(out) as staging:
+        write_megatron(staging.path / iter_dir_name("release"), config, source, tp, pp, vpp, "release", args)
+        tokenizer_dir = staging.path / TOKENIZER_SUBDIR
+        tokenizer_dir.mkdir()
+        report["tokenizer_files"] = copy_tokenizer(source_ckpt.path, tokenizer_dir)
+        _finish_megatron(staging, "release")
+        if verify:
+            ids = fixed_prompt(config.vocab_size, config.max_position_embeddings)
+            report["verify"] = compare(hf_logits(source_ckpt.path, ids, round_to=target),
+                                       megatron_logits(open_megatron(staging.path), ids))
+        staging.commit()
+    return report
+
+
+def _megatron_root(path: Path) -> Path:
+    return path if (path / TRACKER).is_file() else path.parent
+
+
+def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
+                   tokenizer: str | os.PathLike | None = None, max_shard_size: int | str = "5GB",
+                   verify: bool = False, vocab_size: int | None = None) -> dict[str, Any]:
+    ckpt = open_megatron(megatron, vocab_size=vocab_size)
+    target = parse_dtype(dtype)
+    out_dtype = target or _stored_dtype(ckpt)
+    tokenizer_src = Path(tokenizer) if tokenizer else _megatron_root(Path(megatron)) / TOKENIZER_SUBDIR
+    if tokenizer and not tokenizer_src.is_dir():
+        raise FileNotFoundError(f"{tokenizer_src}: tokenizer folder not found")
+    report: dict[str, Any] = {"out": str(out), "dtype": str(out_dtype).replace("torch.", "")}
+    with StagingDir(out) as staging:
+        report.update(write_hf_weights(staging.path, ckpt.config, ckpt.get, out_dtype, max_shard_size))
+        write_hf_config(staging.path, ckpt.config, out_dtype, getattr(ckpt.args, "hf_generation_config", None))
+        report["tokenizer_files"] = copy_tokenizer(tokenizer_src, staging.path)
+        info = training_info(ckpt)
+        (staging.path / TRAINING_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
+        if verify:
+            ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)
+            report["verify"] = compare(megatron_logits(ckpt, ids, round_to=out_dtype),
+                                       hf_logits(staging.path, ids))
+        staging.commit()
+    return report
+
+
+def _stored_dtype(ckpt) -> torch.dtype:
+    return ckpt.get("decoder.final_layernorm.weight").dtype
+
+
+def training_info(ckpt) -> dict[str, Any]:
+    """What the model card reports: iterations, tokens, final loss, parallel layout."""
+    args = ckpt.args
+    info = {"iteration": ckpt.iteration, "tensor_model_parallel_size": getattr(args, "tensor_model_parallel_size", ckpt.tp),
+            "pipeline_model_parallel_size": getattr(args, "pipeline_model_parallel_size", ckpt.pp),
+            "data_parallel_size": getattr(args, "data_parallel_size", None),
+            "virtual_pipeline_model_parallel_size": getattr(args, "virtual_pipeline_model_parallel_size", None)}
+    for key in ("consumed_train_samples", "train_tokens", "final_loss", "seq_length"):
+        value = ckpt.info.get(key, getattr(args, key, None))
+        if isinstance(value, (int, float, str)):
+            info[key] = value
+    return info
+
+
+def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
+            verify: bool = False) -> dict[str, Any]:
+    """Re-split model weights to a new layout (optimizer state is not carried over)."""
+    ckpt = open_megatron(src)
+    names = ckpt.names()
+
+    def source(layers):
+        wanted = set(layers)
+        for name in names:
+            match = _LAYER.match(name)
+            if match is None or int(match.group(1)) in wanted:
+                yield name, ckpt.get(name)
+
+    extra = {k: v for k, v in ckpt.info.items()
+             if k not in ("args", "checkpoint_version", "iteration", "opt_param_scheduler")}
+    keep = {k: getattr(ckpt.args, k) for k in ("hf_generation_config", "consumed_train_samples",
+                                                 "consumed_valid_samples") if hasattr(ckpt.args, k)}
+    report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp, "iteration": ckpt.iteration}
+    with StagingDir(out) as staging:
+        write_megatron(staging.path / iter_dir_name(ckpt.iteration), ckpt.config, source, tp, pp, vpp,
+                       ckpt.iteration, keep, extra)
+        tokenizer_dir = staging.path / TOKENIZER_SUBDIR
+        tokenizer_dir.mkdir()
+        copy_tokenizer(_megatron_root(Path(src)) / TOKENIZER_SUBDIR, tokenizer_dir)
+        _finish_megatron(staging, ckpt.iteration)
+        if verify:
+            ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)
+            report["verify"] = compare(megatron_logits(ckpt, ids), megatron_logits(open_megatron(staging.path), ids))
+        staging.commit()
+    return report

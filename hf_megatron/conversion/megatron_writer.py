@@ -1,0 +1,97 @@
+"""Write full megatron-core tensors as a Megatron checkpoint at any TP / PP / virtual-PP layout.
+
+Model chunk c = v * pp + p (chunk v of stage p) holds layers [c * L/(pp*vpp), (c+1) * L/(pp*vpp)),
+renumbered from 0 in its file.  The first chunk owns the embedding; the last owns the final
+norm and output layer -- for tied embeddings too when it lacks the embedding (Megatron keeps a
+copy there).  Files are written one rank at a time: memory is one rank's shard plus one full
+tensor (the source is asked again for every rank; sources are lazy readers).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from ..config import ModelConfig
+from .layout import split_tensor
+from .megatron_args import build_args
+from .megatron_files import MODEL_FILE, rank_dir_name
+
+CHECKPOINT_VERSION = 3.0
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# source(layers) -> (full name, full tensor) for those layers + embedding, final norm, output layer
+Source = Callable[[Iterable[int]], Iterator[tuple[str, torch.Tensor]]]
+
+
+def check_layout(config: ModelConfig, tp: int, pp: int, vpp: int | None) -> None:
+    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
+        raise ValueError(f"tp, pp and vpp must be >= 1 (got tp={tp}, pp={pp}, vpp={vpp})")
+    if vpp and vpp > 1 and pp == 1:
+        raise ValueError("--vpp needs --pp > 1 (virtual stages interleave pipeline stages)")
+    chunks = pp * (vpp or 1)
+    for what, value in (("num_attention_heads", config.num_attention_heads),
+                        ("num_query_groups (num_key_value_heads)", config.num_query_groups),
+                        ("ffn_hidden_size", config.ffn_hidden_size)):
+        if value % tp:
+            raise ValueError(f"{what}={value} is not divisible by tp={tp}")
+    if config.num_layers % chunks:
+        raise ValueError(f"num_layers={config.num_layers} is not divisible by pp x vpp = {chunks}")
+
+
+def chunk_layers(config: ModelConfig, pp: int, vpp: int, stage: int, chunk: int) -> range:
+    per_chunk = config.num_layers // (pp * vpp)
+    start = (chunk * pp + stage) * per_chunk
+    return range(start, start + per_chunk)
+
+
+def chunk_state(source: Source, config: ModelConfig, tp: int, tp_rank: int, layers: range,
+                pre: bool, post: bool) -> dict[str, torch.Tensor]:
+    """The stage-local, TP-sharded state dict of one model chunk."""
+    tied = config.tie_word_embeddings
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in source(layers):
+        match = _LAYER.match(name)
+        if match:
+            index = int(match.group(1))
+            if index not in layers:
+                continue
+            local = f"decoder.layers.{index - layers.start}.{match.group(2)}"
+        elif name.startswith("embedding."):
+            local = name if pre else None
+            if name == "embedding.word_embeddings.weight" and tied and post and not pre:
+                local = "output_layer.weight"
+        elif name.startswith("decoder.final_layernorm."):
+            local = name if post else None
+        elif name == "output_layer.weight":
+            local = name if post and not tied else None
+        else:
+            raise ValueError(f"unexpected tensor {name!r} from the source")
+        if local is None:
+            continue
+        # clone: a chunk is a view, and torch.save would write the whole full tensor's storage
+        state[local] = split_tensor(name, tensor, config, tp)[tp_rank].clone()
+    return state
+
+
+def write_megatron(iter_dir: Path, config: ModelConfig, source: Source, tp: int, pp: int, vpp: int | None = None,
+                   iteration: int | str = "release", args: dict | None = None, extra: dict | None = None) -> None:
+    """Write every rank's model_optim_rng.pt under `iter_dir` (no tracker file: caller's job)."""
+    check_layout(config, tp, pp, vpp)
+    chunks = vpp or 1
+    megatron_args = build_args(config, tp=tp, pp=pp, vpp=vpp if chunks > 1 else None,
+                               iteration=0 if iteration == "release" else iteration, **(args or {}))
+    for stage in range(pp):
+        for tp_rank in range(tp):
+            payload = {}
+            for chunk in range(chunks):
+                key = "model" if chunks == 1 else f"model{chunk}"
+                payload[key] = chunk_state(source, config, tp, tp_rank, chunk_layers(config, pp, chunks, stage, chunk),
+                                           pre=stage == 0 and chunk == 0, post=stage == pp - 1 and chunk == chunks - 1)
+            payload.update(args=megatron_args, checkpoint_version=CHECKPOINT_VERSION,
+                           iteration=0 if iteration == "release" else iteration, **(extra or {}))
+            rank_dir = iter_dir / rank_dir_name(tp_rank, stage, pp)
+            rank_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(payload, rank_dir / MODEL_FILE)
+            del payload

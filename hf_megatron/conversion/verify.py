@@ -1,0 +1,77 @@
+"""`--verify`: run the source and the converted model on a fixed prompt and compare logits.
+
+Both models run in fp32 on CPU.  When the conversion changes dtype (e.g. --dtype bf16), the
+source weights are first rounded to that dtype, so the check measures the conversion itself,
+not the rounding: it passes when
+    max |logits_out - logits_src| <= tol * max(1, max |logits_src|)
+and reports that max abs diff and the top-1 (argmax) agreement over the prompt positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+PROMPT_LEN = 16
+DEFAULT_TOL = 1e-4
+
+
+class VerifyError(ValueError):
+    """Converted logits differ from the source's."""
+
+
+@dataclass
+class VerifyResult:
+    max_abs_diff: float
+    top1_agreement: float
+
+    def __str__(self) -> str:
+        return f"verify: max abs logit diff {self.max_abs_diff:.3g}, top-1 agreement {self.top1_agreement:.1%}"
+
+
+def fixed_prompt(vocab_size: int, max_positions: int) -> torch.Tensor:
+    length = min(PROMPT_LEN, max_positions)
+    return torch.tensor([[(7919 * i + 13) % vocab_size for i in range(length)]])
+
+
+def _round(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module:
+    if dtype is not None and dtype != torch.float32:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(dtype).float())
+    return model
+
+
+@torch.no_grad()
+def hf_logits(folder: str | Path, ids: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    return _round(model.eval(), round_to)(input_ids=ids).logits.float()
+
+
+@torch.no_grad()
+def megatron_logits(checkpoint, ids: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """Logits of our single-process GPTModel holding a Megatron checkpoint's merged weights."""
+    from ..model.gpt import GPTModel
+    from ..parallel import state
+    saved = state.get_state()
+    state.reset()
+    try:
+        model = GPTModel(checkpoint.config, dtype=torch.float32)
+        model.load_full_state_dict({k: v.float() for k, v in checkpoint.full_state_dict().items()})
+        return _round(model.eval(), round_to)(ids).logits.float()
+    finally:
+        state.set_state(saved)
+
+
+def compare(source: torch.Tensor, converted: torch.Tensor, tol: float = DEFAULT_TOL) -> VerifyResult:
+    if source.shape != converted.shape:
+        raise VerifyError(f"verify: logits shapes differ: source {tuple(source.shape)}, converted {tuple(converted.shape)}")
+    diff = (source - converted).abs().max().item()
+    top1 = (source.argmax(-1) == converted.argmax(-1)).float().mean().item()
+    result = VerifyResult(diff, top1)
+    bound = tol * max(1.0, source.abs().max().item())
+    if not diff <= bound:  # also catches NaN
+        raise VerifyError(f"{result}: exceeds tolerance {bound:.3g}; the conversion is wrong, output not written")
+    return result
