@@ -51,11 +51,12 @@ def hf_reference(arch, mbs):
 
 
 def global_tensors(chunks, kind):
-    """{global mcore name: local (TP-sharded) tensor} of grads or weights over this rank's chunks."""
+    """{global mcore name: local (TP-sharded) tensor} of p.grad / p.main_grad / p.data over this
+    rank's chunks."""
     result = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
-            tensor = p.grad if kind == "grad" else p.data
+            tensor = getattr(p, kind, None)
             if tensor is not None:
                 result[to_global_name(name, chunk.layer_offset)] = tensor.clone()
     return result
@@ -79,12 +80,12 @@ def pipeline_worker(rank, world, tp, pp, cases):
                 if getattr(p, "sequence_parallel", False):
                     dist.all_reduce(p.grad, group=grid.group("tp"))
         results.append({"coords": dict(grid.coords), "out": out, "eval": evaluated,
-                        "grad": global_tensors(chunks, "grad"), "weight": global_tensors(chunks, "weight")})
+                        "grad": global_tensors(chunks, "grad"), "weight": global_tensors(chunks, "data")})
     if tp == 1:
         # fresh weights from a ModelConfig: the same as one process's init (compared in the parent)
         config = hf_megatron.ModelConfig.from_hf(hf_model("gpt2").config)
         chunks = pipeline.build_model_chunks(config, vpp=2, seed=99)
-        results.append({"coords": dict(grid.coords), "weight": global_tensors(chunks, "weight")})
+        results.append({"coords": dict(grid.coords), "weight": global_tensors(chunks, "data")})
         # interleaving with a micro-batch count that is not a multiple of pp: clear error
         with pytest.raises(ValueError, match="multiple of the pipeline size"):
             pipeline.forward_backward(chunks, micro_batches(3))
@@ -95,8 +96,10 @@ def pipeline_worker(rank, world, tp, pp, cases):
         # bf16 activations travel between stages as bf16
         chunks = pipeline.build_model_chunks(hf_model("gpt2"), dtype=torch.bfloat16)
         out = pipeline.forward_backward(chunks, micro_batches(), loss_scale=LOSS_SCALE)
-        pipeline.allreduce_embedding_grads(chunks)
-        results.append({"coords": dict(grid.coords), "out": out, "grad": global_tensors(chunks, "grad")})
+        for p in chunks[0].parameters():  # the mixed-precision optimizer's fp32 accumulators
+            p.main_grad, p.grad = p.grad.float(), None
+        pipeline.allreduce_embedding_grads(chunks)  # reduces main_grad where present
+        results.append({"coords": dict(grid.coords), "out": out, "grad": global_tensors(chunks, "main_grad")})
     return results
 
 
@@ -171,7 +174,7 @@ def test_pp2_1f1b_interleaved_uneven_match_transformers():
         out = rank_results[len(PP2_CASES) + 2]["out"]
         assert abs(out["loss_sum"].item() - ref["loss_sum"].item()) <= 1e-3 * ref["loss_sum"].item()
     grads = full_tensors(per_rank, len(PP2_CASES) + 2, "grad", single.config, 1)
-    assert grads["decoder.layers.3.mlp.linear_fc2.weight"].dtype == torch.bfloat16
+    assert all(grad.dtype == torch.float32 for grad in grads.values())  # the main_grads
     expected = merge_shards([{n: p.grad for n, p in single.named_parameters()}], single.config)
     expected["output_layer.weight"] = expected["embedding.word_embeddings.weight"]
     assert set(grads) == set(expected)
@@ -205,3 +208,7 @@ def test_pp1_is_a_plain_loop_over_one_full_model():
     ours = hf_grads_from_mcore(merge_shards([grads], chunks[0].config), chunks[0].config)
     for name, grad in ref_grads.items():
         assert rel_err(ours[name], grad) <= TOL, name
+    with pytest.raises(ValueError, match="virtual pipeline size 2 needs"):
+        pipeline.build_model_chunks(hf, vpp=2)
+    with pytest.raises(ValueError, match="'attention_mask' must be given in every micro batch"):
+        pipeline.forward_backward(chunks, [mbs[0], {"input_ids": mbs[1]["input_ids"], "labels": mbs[1]["labels"]}])

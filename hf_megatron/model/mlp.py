@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -26,8 +27,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.activation == "swiglu":
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = kernels.swiglu(h)  # silu(gate) * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
         else:

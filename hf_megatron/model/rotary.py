@@ -13,6 +13,9 @@ import math
 import torch
 from torch import nn
 
+from .. import kernels
+from ..kernels import rotate_half  # noqa: F401  (kept importable from here)
+
 
 def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -37,11 +40,6 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.T
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float, scaling: dict | None = None):
         super().__init__()
@@ -55,6 +53,5 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, d]; cos/sin: [b, s, d]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + rotate_half(x) * sin
+    """x: [b, heads, s, d]; cos/sin: [b, s, d].  x * cos + rotate_half(x) * sin (fused on CUDA)."""
+    return kernels.apply_rotary(x, cos, sin)

@@ -70,6 +70,8 @@ def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int]
         raise ValueError(f"virtual pipeline size must be >= 1, got {vpp}")
     grid = state.get_state()
     pp, pp_rank = grid.pp, grid.coords["pp"]
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1")
     if isinstance(source, ModelConfig):
         num_layers = source.num_layers
     else:
@@ -276,7 +278,8 @@ def forward_backward(chunks: list, micro_batches: list[dict], *, loss_scale: flo
 
 # ----------------------------------------------------------------------------- tied embeddings
 def allreduce_embedding_grads(chunks: list) -> None:
-    """Sum the word-embedding gradient (first stage) and its output-layer copy's (last stage).
+    """Sum the word-embedding gradient (first stage) and its output-layer copy's (last stage):
+    `.main_grad` where the mixed-precision optimizer keeps fp32 gradients, else `.grad`.
 
     y = x_out W^T on the last stage and e = W[ids] on the first use one matrix W in the tied
     model, so dL/dW = dL/dW_first + dL/dW_last; after the all-reduce both copies hold it."""
@@ -293,6 +296,9 @@ def allreduce_embedding_grads(chunks: list) -> None:
     if chunks[-1].post_process:
         params.append(chunks[-1].output_layer.weight)
     for param in params:
+        if getattr(param, "main_grad", None) is not None:  # mixed precision: fp32 accumulator
+            dist.all_reduce(param.main_grad, group=group)
+            continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         dist.all_reduce(param.grad, group=group)

@@ -1,0 +1,26 @@
+// Python bindings of the fused kernels (module name set by torch.utils.cpp_extension.load).
+// The Python side (hf_megatron/kernels/) owns autograd and falls back to PyTorch when a tensor
+// does not fit these entry points; the C++ side checks its inputs and raises on a misuse.
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace hf_megatron {
+std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
+                                          const at::Tensor& rstd);
+at::Tensor swiglu_forward(const at::Tensor& x);
+at::Tensor swiglu_backward(const at::Tensor& dy, const at::Tensor& x);
+at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor rotary_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin);
+}  // namespace hf_megatron
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "hf_megatron fused CUDA kernels";
+  m.def("rms_norm_forward", &hf_megatron::rms_norm_forward, "RMSNorm forward: x [rows, cols], weight, eps -> (y, rstd)");
+  m.def("rms_norm_backward", &hf_megatron::rms_norm_backward, "RMSNorm backward: dy, x, weight, rstd -> (dx, dw)");
+  m.def("swiglu_forward", &hf_megatron::swiglu_forward, "SwiGLU forward: x [rows, 2F] -> [rows, F]");
+  m.def("swiglu_backward", &hf_megatron::swiglu_backward, "SwiGLU backward: dy [rows, F], x [rows, 2F] -> dx");
+  m.def("rotary_forward", &hf_megatron::rotary_forward, "rotary apply: x [b,h,s,d], cos, sin [b|1,s,d] -> y");
+  m.def("rotary_backward", &hf_megatron::rotary_backward, "rotary backward: dy, cos, sin -> dx");
+}
