@@ -23,15 +23,16 @@ namespace hf_megatron {
 namespace {
 
 constexpr int kReduceRows = 16;  // partial rows summed in parallel by one column of threads
+constexpr int kMaxThreads = 512;
 
-// Threads per row-block: about two packs per thread, one to 32 warps.
+// Threads per row-block: about two packs per thread, one to 16 warps.
 inline int threads_for(int64_t packs) {
   const int64_t want = round_up_32((packs + 1) / 2);
-  return static_cast<int>(want < 32 ? 32 : (want > 1024 ? 1024 : want));
+  return static_cast<int>(want < 32 ? 32 : (want > kMaxThreads ? kMaxThreads : want));
 }
 
 template <typename T, int N>
-__global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
                                                                T* __restrict__ y, float* __restrict__ rstd,
                                                                int64_t cols, float eps) {
   __shared__ float scratch[32];
@@ -66,7 +67,7 @@ __global__ void __launch_bounds__(1024) rms_norm_forward_kernel(const T* __restr
 // dw partial sums are laid out "pack-major": element i of pack p lives at i * packs + p, so the
 // 32 lanes of a warp touch 32 consecutive floats (no shared-memory bank conflicts).
 template <typename T, int N>
-__global__ void __launch_bounds__(1024) rms_norm_backward_kernel(
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_backward_kernel(
     const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ weight, const float* __restrict__ rstd,
     T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows, int64_t cols, bool accumulate_in_shared) {
   extern __shared__ float dw_shared[];

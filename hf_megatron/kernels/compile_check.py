@@ -5,7 +5,8 @@ include paths and the flags torch.utils.cpp_extension uses, and the host compile
 bindings.cpp.  A CPU-only torch wheel ships the ATen/c10 CUDA headers except one generated
 file, c10/cuda/impl/cuda_cmake_macros.h; when it is missing, a stand-in with the single define
 that CUDA builds of torch put there is written to a temporary include folder.
-`--arch sm_80` (default sm_90) picks the target; `--ptxas` prints registers and spills.
+`--arch sm_80` (default sm_90) picks the target; `--ptxas` prints registers and spills; file
+names (`swiglu.cu bindings.cpp`) restrict the run to those sources.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _shim_includes(folder: Path) -> list[str]:
     return [f"-I{folder}"]
 
 
-def compile_all(arch: str = "sm_90", ptxas: bool = False) -> int:
+def compile_all(arch: str = "sm_90", ptxas: bool = False, only: list[str] | None = None) -> int:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         print("nvcc not found on PATH", file=sys.stderr)
@@ -48,12 +49,16 @@ def compile_all(arch: str = "sm_90", ptxas: bool = False) -> int:
         includes = _shim_includes(Path(tmp) / "shim") + [f"-I{p}" for p in cpp_extension.include_paths()]
         includes.append(f"-I{CSRC}")
         for source in sorted(CSRC.glob("*.cu")):
+            if only and source.name not in only:
+                continue
             cmd = [nvcc, _cxx_standard(), f"-arch={arch}", "-O3", "-c", str(source), "-o",
                    str(Path(tmp) / (source.stem + ".o")), *cpp_extension.COMMON_NVCC_FLAGS, *includes,
                    "-diag-suppress=3306", "-Xcompiler", "-Wno-c++20-extensions"]
             if ptxas:
                 cmd += ["-Xptxas", "-v"]
             failures += _run(source.name, cmd)
+        if only and "bindings.cpp" not in only:
+            return 1 if failures else 0
         python_include = sysconfig.get_paths()["include"]
         cmd = ["c++", _cxx_standard(), "-O1", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=hf_megatron_kernels",
                str(CSRC / "bindings.cpp"), *includes, f"-I{python_include}"]
@@ -75,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--ptxas", action="store_true", help="print ptxas register/spill report")
+    parser.add_argument("only", nargs="*", help="file names in csrc/ to compile (default: all)")
     args = parser.parse_args(argv)
-    return compile_all(args.arch, args.ptxas)
+    return compile_all(args.arch, args.ptxas, args.only)
 
 
 if __name__ == "__main__":
