@@ -90,7 +90,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
 
         vocab = _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
         merges = _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
-        return HFTokenizer(GPT2TokenizerFast(vocab_file=vocab, merges_file=merges))
+        # positional: transformers 4 names them vocab_file/merges_file, transformers 5 vocab/merges
+        return HFTokenizer(GPT2TokenizerFast(vocab, merges))
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         model = _require_file(tokenizer_model, "--tokenizer-model", "SentencePiece model file")
         return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")

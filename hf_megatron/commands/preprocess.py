@@ -1,0 +1,82 @@
+"""`hf-megatron preprocess`: corpus -> Megatron .bin/.idx, with Megatron-LM's flag names.
+
+    hf-megatron preprocess --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2 --append-eod --workers 8
+
+writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).  With
+--train-tokenizer {bpe,sentencepiece} --vocab-size N a new tokenizer is first trained on the
+input and saved to --tokenizer-model (a directory for bpe, a .model file for sentencepiece).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "preprocess", help="tokenise a corpus into Megatron .bin/.idx indexed datasets",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", required=True, nargs="+",
+                       help="JSON lines (.json/.jsonl), text (.txt, one document per line), .parquet, "
+                            "or a datasets dir saved with save_to_disk; globs allowed")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenise (default: text)")
+    group.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True,
+                       choices=["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
+                                "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer"])
+    group.add_argument("--tokenizer-model", help="tokenizer dir / Hub id, or SentencePiece .model")
+    group.add_argument("--vocab-file", help="GPT-2 vocab.json")
+    group.add_argument("--merge-file", help="GPT-2 merges.txt")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary, or size to train")
+    group.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
+    group.add_argument("--train-tokenizer", choices=["bpe", "sentencepiece"],
+                       help="train a new tokenizer on the input first, saved at --tokenizer-model")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, default=1, help="tokenising processes")
+    group.add_argument("--partitions", type=int, default=1, help="minimum chunks per input file")
+    group.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron-LM compatibility")
+    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run)
+
+
+def _train_tokenizer(args) -> None:
+    from hf_megatron.data.sources import expand_inputs, plan_chunks, read_chunk
+    from hf_megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
+
+    if not args.tokenizer_model or not args.vocab_size:
+        raise ValueError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
+    chunks = plan_chunks(expand_inputs(args.input), 1, 1 << 62, args.split)
+    texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
+    if args.train_tokenizer == "bpe":
+        if args.tokenizer_type != "HuggingFaceTokenizer":
+            raise ValueError("--train-tokenizer bpe saves a transformers tokenizer: use --tokenizer-type HuggingFaceTokenizer")
+        train_bpe_tokenizer(texts, args.vocab_size, args.tokenizer_model)
+    else:
+        if args.tokenizer_type not in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+            raise ValueError("--train-tokenizer sentencepiece needs a SentencePiece --tokenizer-type")
+        prefix = args.tokenizer_model[:-len(".model")] if args.tokenizer_model.endswith(".model") else args.tokenizer_model
+        args.tokenizer_model = train_sentencepiece_tokenizer(texts, args.vocab_size, prefix)
+
+
+def run(args) -> int:
+    from hf_megatron.data.preprocess import PreprocessOptions, preprocess
+
+    if args.train_tokenizer:
+        _train_tokenizer(args)
+    stats = preprocess(PreprocessOptions(
+        inputs=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
+        tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+        append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
+        split=args.split, progress=not args.no_progress))
+    for key, prefix in stats["outputs"].items():
+        print(f"{key}: {prefix}.bin / .idx")
+    print(f"{stats['documents']} documents, {stats['tokens']} tokens ({stats['dtype']}) in "
+          f"{stats['seconds']:.1f}s: {stats['docs_per_s']:.0f} docs/s, {stats['mb_per_s']:.2f} MB/s",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,190 @@
+"""`hf-megatron preprocess`: run as a command, output read back by megatron-core's reader and
+compared with the tokenizer's own ids (tiny tokenizers trained here, no network)."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from data_oracle import IndexedDataset as McoreIndexed
+from hf_megatron import cli
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho".split()
+
+
+def _documents(count, seed=0):
+    rng = random.Random(seed)
+    docs = []
+    for i in range(count):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30)))
+        if i % 7 == 3:
+            text += " café ünïcode\tTAB"
+        docs.append({"text": text, "title": rng.choice(WORDS).upper(), "id": i})
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A JSONL corpus and a byte-level BPE trained on it with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("preprocess")
+    docs = _documents(300)
+    with open(root / "corpus.jsonl", "w") as out:
+        for doc in docs:
+            out.write(json.dumps(doc) + "\n")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([d["text"] + " " + d["title"] for d in docs], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(root / "tok")
+    os.makedirs(root / "gpt2", exist_ok=True)
+    bpe.model.save(str(root / "gpt2"))  # vocab.json + merges.txt
+    return root, docs
+
+
+def _expected(texts, encode, eod):
+    out = []
+    for text in texts:
+        ids = list(encode(text))
+        out.append(ids + [eod] if ids else [])
+    return out
+
+
+def _read_documents(prefix):
+    reader = McoreIndexed(prefix)  # megatron-core's reader is the judge of the format
+    ends = reader.document_indices
+    docs = [np.concatenate([reader[i] for i in range(ends[d], ends[d + 1])] or [np.zeros(0, np.int64)]).tolist()
+            for d in range(len(ends) - 1)]
+    return docs, reader.index.dtype
+
+
+def test_cli_jsonl_two_keys_workers(corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, docs = corpus
+    prefix = str(tmp_path / "out" / "corpus")
+    command = [sys.executable, "-m", "hf_megatron.cli", "preprocess", "--input", str(root / "corpus.jsonl"),
+               "--output-prefix", prefix, "--json-keys", "text", "title", "--tokenizer-type",
+               "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok"), "--append-eod",
+               "--workers", "2", "--partitions", "3"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "docs/s" in done.stderr and "MB/s" in done.stderr
+    tokenizer = AutoTokenizer.from_pretrained(root / "tok")
+    encode = lambda text: tokenizer(text).input_ids  # noqa: E731
+    for key in ("text", "title"):
+        got, dtype = _read_documents(f"{prefix}_{key}_document")
+        assert dtype == np.uint16
+        assert got == _expected([d[key] for d in docs], encode, tokenizer.eos_token_id)
+    assert not [p for p in os.listdir(tmp_path / "out") if "tmp" in p]  # no leftovers
+
+
+def test_workers_and_partitions_do_not_change_output(corpus, tmp_path):
+    root, _ = corpus
+    base = ["preprocess", "--input", str(root / "corpus.jsonl"), "--tokenizer-type", "HuggingFaceTokenizer",
+            "--tokenizer-model", str(root / "tok"), "--append-eod", "--no-progress"]
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "a")]) == 0
+    assert cli.main(base + ["--output-prefix", str(tmp_path / "b"), "--workers", "2", "--partitions", "5"]) == 0
+    for suffix in (".bin", ".idx"):
+        assert ((tmp_path / f"a_text_document{suffix}").read_bytes()
+                == (tmp_path / f"b_text_document{suffix}").read_bytes())
+
+
+def test_text_parquet_and_saved_dataset_inputs(corpus, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    root, docs = corpus
+    tokenizer = AutoTokenizer.from_pretrained(root / "tok")
+    encode = lambda text: tokenizer(text).input_ids  # noqa: E731
+    texts = [d["text"] for d in docs if d["text"]]
+    (tmp_path / "c.txt").write_text("".join(t + "\n" for t in texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "c.parquet", row_group_size=64)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    expected = _expected(texts, encode, tokenizer.eos_token_id)
+    for name in ("c.txt", "c.parquet", "saved"):
+        prefix = str(tmp_path / f"out_{name}")
+        assert cli.main(["preprocess", "--input", str(tmp_path / name), "--output-prefix", prefix,
+                         "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok"),
+                         "--append-eod", "--workers", "1", "--partitions", "3", "--no-progress"]) == 0
+        assert _read_documents(prefix + "_text_document")[0] == expected, name
+
+
+def test_gpt2_vocab_merges_tokenizer(corpus, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    root, docs = corpus
+    prefix = str(tmp_path / "g")
+    assert cli.main(["preprocess", "--input", str(root / "corpus.jsonl"), "--output-prefix", prefix,
+                     "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2" / "vocab.json"),
+                     "--merge-file", str(root / "gpt2" / "merges.txt"), "--append-eod", "--no-progress"]) == 0
+    # the files loaded straight into a `tokenizers` byte-level BPE as the reference
+    reference = Tokenizer(models.BPE.from_file(str(root / "gpt2" / "vocab.json"), str(root / "gpt2" / "merges.txt")))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    eod = reference.token_to_id("<|endoftext|>")
+    expected = _expected([d["text"] for d in docs], lambda t: reference.encode(t).ids, eod)
+    assert _read_documents(prefix + "_text_document")[0] == expected
+
+
+def test_sentencepiece_trained_by_cli(corpus, tmp_path):
+    import sentencepiece
+
+    root, docs = corpus
+    model = str(tmp_path / "sp" / "tiny.model")
+    prefix = str(tmp_path / "s")
+    assert cli.main(["preprocess", "--input", str(root / "corpus.jsonl"), "--output-prefix", prefix,
+                     "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
+                     "--train-tokenizer", "sentencepiece", "--vocab-size", "60", "--append-eod",
+                     "--no-progress"]) == 0
+    processor = sentencepiece.SentencePieceProcessor(model_file=model)
+    expected = _expected([d["text"] for d in docs], processor.encode, processor.eos_id())
+    assert _read_documents(prefix + "_text_document")[0] == expected
+
+
+def test_bpe_trained_by_cli_loads_with_transformers(corpus, tmp_path):
+    from transformers import AutoTokenizer
+
+    root, docs = corpus
+    tok_dir, prefix = str(tmp_path / "newtok"), str(tmp_path / "n")
+    assert cli.main(["preprocess", "--input", str(root / "corpus.jsonl"), "--output-prefix", prefix,
+                     "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok_dir,
+                     "--train-tokenizer", "bpe", "--vocab-size", "300", "--no-progress"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    assert 250 < len(tokenizer) <= 300
+    expected = [tokenizer(d["text"]).input_ids for d in docs]
+    assert _read_documents(prefix + "_text_document")[0] == expected
+
+
+@pytest.mark.parametrize("case", ["missing_input", "bad_json", "missing_key", "missing_vocab", "bad_format"])
+def test_bad_inputs_give_one_line_errors(corpus, tmp_path, capsys, case):
+    root, _ = corpus
+    source = str(root / "corpus.jsonl")
+    extra, needle = [], None
+    if case == "missing_input":
+        source, needle = str(tmp_path / "nope.jsonl"), "nope.jsonl: input not found"
+    elif case == "bad_json":
+        (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
+        source, needle = str(tmp_path / "bad.jsonl"), "bad.jsonl: byte 15: invalid JSON"
+    elif case == "missing_key":
+        extra, needle = ["--json-keys", "body"], "corpus.jsonl: byte 0: no field 'body'"
+    elif case == "missing_vocab":
+        extra, needle = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "v.json"),
+                         "--merge-file", "m.txt"], "v.json: GPT-2 vocab.json not found"
+    else:
+        (tmp_path / "x.csv").write_text("a,b\n")
+        source, needle = str(tmp_path / "x.csv"), "x.csv: unknown input format"
+    argv = ["preprocess", "--input", source, "--output-prefix", str(tmp_path / "o"), "--no-progress",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")] + extra
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1], err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("o")]  # nothing half-written
