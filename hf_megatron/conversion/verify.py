@@ -46,7 +46,14 @@ def _round(model: torch.nn.Module, dtype: torch.dtype | None) -> torch.nn.Module
 @torch.no_grad()
 def hf_logits(folder: str | Path, ids: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    from transformers.utils import logging as hf_logging
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # keep the CLI's output to our one-line report
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     return _round(model.eval(), round_to)(input_ids=ids).logits.float()
 
 
