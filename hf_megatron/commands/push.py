@@ -1,0 +1,27 @@
+"""`hf-megatron push`: upload a converted HF folder to the Hub with a generated model card.
+
+    hf-megatron push --hf hf_out/ --repo-id my-org/my-model --private --revision v1
+
+The token is read from HF_TOKEN or the `hf auth login` file and never printed.  README.md
+(the model card: architecture, iterations, tokens, final loss, parallel layout, hf_megatron
+version) is generated unless the folder already has a README of your own.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("push", help="upload an HF folder to the Hugging Face Hub with a model card",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", required=True, help="folder written by `convert megatron-to-hf`")
+    parser.add_argument("--repo-id", required=True, help="ORG/NAME on the Hub (created if missing)")
+    parser.add_argument("--private", action="store_true", help="create the repo as private")
+    parser.add_argument("--revision", default=None, help="branch to push to (created if missing)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from hf_megatron.conversion.hub import push
+    print(f"pushed: {push(args.hf, args.repo_id, private=args.private, revision=args.revision)}")
+    return 0

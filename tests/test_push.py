@@ -1,0 +1,100 @@
+"""`hf-megatron push` against a local fake of huggingface_hub.HfApi (no network): repo creation,
+branch, upload of the whole folder with a generated model card; the token is used, never printed."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import hf_megatron
+import hf_megatron.conversion.hub as hub
+from hf_megatron.cli import main
+from hf_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
+from test_convert_helpers import hf_sources  # noqa: F401
+
+SECRET = "hf_NotARealToken1234567890"
+
+
+class FakeHfApi:
+    calls: list = []
+    fail_with: Exception | None = None
+
+    def __init__(self, token=None):
+        FakeHfApi.calls.append(("init", token))
+
+    def create_repo(self, repo_id, private=False, exist_ok=False, repo_type=None):
+        FakeHfApi.calls.append(("create_repo", repo_id, private, exist_ok))
+
+    def create_branch(self, repo_id, branch, exist_ok=False, repo_type=None):
+        FakeHfApi.calls.append(("create_branch", repo_id, branch))
+
+    def upload_folder(self, repo_id, folder_path, revision=None, repo_type=None, commit_message=None):
+        if FakeHfApi.fail_with:
+            raise FakeHfApi.fail_with
+        from pathlib import Path
+        files = sorted(p.name for p in Path(folder_path).iterdir())
+        readme = (Path(folder_path) / "README.md").read_text()
+        FakeHfApi.calls.append(("upload_folder", repo_id, revision, files, readme))
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc123")
+
+
+@pytest.fixture()
+def fake_hub(monkeypatch, tmp_path):
+    monkeypatch.setattr(hub, "HfApi", FakeHfApi)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # no token file from this machine
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    FakeHfApi.calls, FakeHfApi.fail_with = [], None
+    return FakeHfApi
+
+
+def _trained_hf_folder(hf_sources, tmp_path):
+    """A Megatron checkpoint carrying training facts, converted to HF."""
+    hf_to_megatron(hf_sources["llama"], tmp_path / "meg", tp=2, pp=2)
+    # the training facts a trainer stores through save_checkpoint(extra=...)
+    import torch
+    from hf_megatron.conversion.megatron_files import safe_load
+    for rank_file in (tmp_path / "meg/release").glob("*/model_optim_rng.pt"):
+        payload = safe_load(rank_file)
+        payload.update(iteration=1200, consumed_train_samples=4800, final_loss=2.3456)
+        payload["args"].seq_length = 64
+        torch.save(payload, rank_file)
+    (tmp_path / "meg/release").rename(tmp_path / "meg/iter_0001200")
+    (tmp_path / "meg/latest_checkpointed_iteration.txt").write_text("1200")
+    megatron_to_hf(tmp_path / "meg", tmp_path / "hf")
+    return tmp_path / "hf"
+
+
+def test_push_uploads_folder_with_model_card(hf_sources, tmp_path, fake_hub, capsys):
+    folder = _trained_hf_folder(hf_sources, tmp_path)
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/tiny-llama", "--private", "--revision", "dev"]) == 0
+    out, err = capsys.readouterr()
+    assert SECRET not in out + err
+    assert "https://huggingface.co/my-org/tiny-llama/commit/abc123" in out
+    calls = fake_hub.calls
+    assert calls[0] == ("init", SECRET)  # the token from HF_TOKEN reaches the API
+    assert calls[1] == ("create_repo", "my-org/tiny-llama", True, True)
+    assert calls[2] == ("create_branch", "my-org/tiny-llama", "dev")
+    _, repo, revision, files, readme = calls[3]
+    assert (repo, revision) == ("my-org/tiny-llama", "dev")
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "README.md"} <= set(files)
+    assert readme.startswith("---\n") and "library_name: transformers" in readme
+    for fact in ("LlamaForCausalLM", "| iterations | 1200 |", "| training tokens | 307,200 |", "2.346", "TP=2, PP=2",
+                 hf_megatron.__version__, "| layers | 2 |"):
+        assert fact in readme, fact
+    assert SECRET not in readme
+
+
+def test_push_errors_are_one_line_without_token(hf_sources, tmp_path, fake_hub, capsys, monkeypatch):
+    folder = _trained_hf_folder(hf_sources, tmp_path)
+    fake_hub.fail_with = RuntimeError(f"401 Unauthorized for token {SECRET}\nmore detail")
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/x"]) == 2
+    err = capsys.readouterr().err
+    assert "push to my-org/x failed" in err and SECRET not in err and len(err.strip().splitlines()) == 1
+
+    monkeypatch.delenv("HF_TOKEN")
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/x"]) == 2
+    assert "no Hugging Face token" in capsys.readouterr().err
+    assert main(["push", "--hf", str(tmp_path / "meg"), "--repo-id", "my-org/x"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert json.loads((folder / "hf_megatron_training.json").read_text())["iteration"] == 1200
