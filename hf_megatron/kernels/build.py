@@ -14,6 +14,7 @@ A failed build warns once and the process keeps using the PyTorch fallbacks.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,7 @@ EXTENSION_NAME = "hf_megatron_kernels"
 ENV_SWITCH = "HF_MEGATRON_KERNELS"
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _extension = None
 _failed = False
@@ -58,11 +60,14 @@ def build_directory() -> Path:
 def _build():
     from torch.utils.cpp_extension import load
 
+    if torch.version.hip is not None:  # the block reductions assume 32-lane warps
+        raise RuntimeError("ROCm builds of torch are not supported by csrc/")
     missing = [str(p) for p in source_files() if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"CUDA sources not found: {', '.join(missing)} (csrc/ ships with the source tree)")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
+    logger.info("loading hf_megatron fused kernels from %s (compiled on first use)", directory)
     return load(
         name=EXTENSION_NAME,
         sources=[str(p) for p in source_files()],
