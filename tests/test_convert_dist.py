@@ -1,7 +1,8 @@
 """Converted checkpoints in a real parallel run (gloo, tp=2 x pp=2): loaded by our checkpoint
 loader into the parallel GPTModel they give transformers' logits; saving them again writes the
 same files; megatron-core's own GPTModel loads our rank files strictly, and the torch_dist
-checkpoint megatron-core writes from them converts back to the original HF tensors."""
+checkpoint megatron-core writes from them converts back to the original HF tensors; training
+resumed from a tp=2 x pp=2 x vpp=2 checkpoint matches the uninterrupted run."""
 from __future__ import annotations
 
 import argparse
@@ -87,8 +88,14 @@ def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
             f.write("5")
     dist.barrier()
     parallel_state.destroy_model_parallel()
+
+    # resume with the training engine at tp=2 x pp=2 x vpp=2 (model0 / model1 chunks per file)
+    from test_checkpoint_resume import model_config, run_and_resume, training_config
+    cfg = training_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                          virtual_pipeline_model_parallel_size=2)
+    uninterrupted, resumed = run_and_resume(cfg, model_config(n_layer=4), f"{save_root}/resume")
     return {"logits": logits, "iterations": iterations, "mcore_missing": bad_missing,
-            "mcore_unexpected": result.unexpected_keys}
+            "mcore_unexpected": result.unexpected_keys, "uninterrupted": uninterrupted, "resumed": resumed}
 
 
 def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
@@ -116,6 +123,10 @@ def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
 
     for r in results:
         assert r["mcore_missing"] == [] and r["mcore_unexpected"] == []
+        assert r["resumed"] == r["uninterrupted"] and len(set(r["uninterrupted"])) == len(r["uninterrupted"])
+    resume_file = safe_load(tmp_path / "saved/resume/iter_0000002/mp_rank_01_001/model_optim_rng.pt")
+    assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state"} <= set(resume_file)
+    assert resume_file["args"].virtual_pipeline_model_parallel_size == 2
     # megatron-core's torch_dist checkpoint (common.pt args without hf_config) -> HF tensors
     megatron_to_hf(tmp_path / "torch_dist", tmp_path / "from_torch_dist", vocab_size=300)
     assert_identical(hf_tensors(hf_sources["llama"]), hf_tensors(tmp_path / "from_torch_dist"))
