@@ -6,7 +6,7 @@ Tolerances:
   float32: relative (norm-wise) error <= 1e-5 for every output and gradient;
   bf16 / fp16, elementwise ops (SwiGLU, rotary): the kernel rounds where eager rounds, so values
       and grads must agree to 1 ulp (rtol 2^-7 bf16, 2^-10 fp16);
-  bf16 / fp16, RMSNorm: y within 1 ulp; dx, dw norm-wise <= 1e-2 (bf16) / 2e-3 (fp16), and the
+  bf16 / fp16, RMSNorm: y within 2 ulp (x_hat and w * x_hat are both rounded); dx, dw norm-wise <= 1e-2 (bf16) / 2e-3 (fp16), and the
       kernel's error against a float64 evaluation of the same formula is no worse than 1.25x the
       fallback's (the kernel keeps dy * w in fp32 where eager rounds it).
 """
@@ -44,8 +44,8 @@ def _run(fn, inputs, probe):
     return out.detach(), grads
 
 
-def _assert_ulp_close(a, b, dtype):
-    torch.testing.assert_close(a, b, rtol=ULP[dtype], atol=ULP[dtype] * 1e-2 if dtype != torch.float32 else 1e-6)
+def _assert_ulp_close(a, b, dtype, ulps=1):
+    torch.testing.assert_close(a, b, rtol=ulps * ULP[dtype], atol=ulps * ULP[dtype] * 1e-2)
 
 
 def _uses_kernel(monkeypatch, fused_name):
@@ -71,7 +71,7 @@ def test_rms_norm_kernel_matches_fallback(monkeypatch, dtype, shape):
     ref_y, (ref_dx, ref_dw) = _run(lambda a, b: reference.rms_norm_reference(a, b, eps), (x, w), probe)
     assert calls, "the kernel was not used"
     assert y.dtype == dx.dtype == dw.dtype == dtype
-    _assert_ulp_close(y, ref_y, dtype)
+    _assert_ulp_close(y, ref_y, dtype, ulps=2)  # 1/rms may differ in its last bit: two roundings follow
     assert rel_err(dx, ref_dx) <= NORM_TOL[dtype]
     assert rel_err(dw, ref_dw) <= NORM_TOL[dtype]
     if dtype != torch.float32:  # no less accurate than eager against float64
