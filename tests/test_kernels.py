@@ -176,3 +176,81 @@ def test_bindings_export_every_entry_point_the_python_side_calls():
     assert called and called <= bound
     for name in bound:
         assert re.search(rf"\b{name}\(const at::Tensor", cuda_text), name
+
+
+# ---- the autograd Functions, on CPU, over a stand-in extension that checks the C++ contract ----
+
+class ContractExtension:
+    """The csrc/ entry points re-written in PyTorch (closed-form backward), asserting each input
+    the way the C++ TORCH_CHECKs do, so functions.py's reshapes, saved tensors and gradient
+    plumbing run on CPU.  It never calls the reference functions it is compared against."""
+
+    @staticmethod
+    def _rows(t, cols=None):
+        assert t.dim() == 2 and t.is_contiguous() and (cols is None or t.shape[1] == cols)
+        return t
+
+    def rms_norm_forward(self, x, weight, eps):
+        self._rows(x, weight.shape[0])
+        assert weight.is_contiguous() and weight.dtype == x.dtype and isinstance(eps, float)
+        x32 = x.float()
+        rstd = torch.rsqrt(x32.pow(2).mean(-1) + eps)
+        return [(weight.float() * (x32 * rstd[:, None]).to(x.dtype).float()).to(x.dtype), rstd]
+
+    def rms_norm_backward(self, dy, x, weight, rstd):
+        self._rows(dy, x.shape[1]), self._rows(x)
+        assert rstd.dtype == torch.float32 and rstd.shape == (x.shape[0],)
+        x_hat, g = x.float() * rstd[:, None], dy.float() * weight.float()
+        dx = rstd[:, None] * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+        return [dx.to(x.dtype), (dy.float() * x_hat.to(x.dtype).float()).sum(0).to(weight.dtype)]
+
+    def swiglu_forward(self, x):
+        gate, up = self._rows(x).float().chunk(2, -1)
+        return (gate * torch.sigmoid(gate) * up).to(x.dtype)
+
+    def swiglu_backward(self, dy, x):
+        self._rows(dy, x.shape[1] // 2)
+        gate, up = self._rows(x).float().chunk(2, -1)
+        s, dy = torch.sigmoid(gate), dy.float()
+        return torch.cat((dy * up * s * (1 + gate * (1 - s)), dy * gate * s), -1).to(x.dtype)
+
+    @staticmethod
+    def _rotary(x, cos, sin, sign):
+        assert x.dim() == 4 and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+        half = x.shape[-1] // 2
+        c, s, v = cos[:, None].float(), sin[:, None].float(), x.float()
+        v1, v2 = v[..., :half], v[..., half:]
+        if sign > 0:  # forward: y = x cos + rotate_half(x) sin
+            out = torch.cat((v1 * c[..., :half] - v2 * s[..., :half], v2 * c[..., half:] + v1 * s[..., half:]), -1)
+        else:  # backward: dx = g cos - rotate_half(g sin)
+            out = torch.cat((v1 * c[..., :half] + v2 * s[..., half:], v2 * c[..., half:] - v1 * s[..., :half]), -1)
+        return out.to(x.dtype).contiguous()
+
+    def rotary_forward(self, x, cos, sin):
+        return self._rotary(x, cos, sin, +1)
+
+    def rotary_backward(self, dy, cos, sin):
+        return self._rotary(dy, cos, sin, -1)
+
+
+def test_autograd_functions_over_the_extension_contract(monkeypatch):
+    monkeypatch.setattr(functions, "load_extension", ContractExtension)
+    f64 = torch.float64
+    x, w = _randn(2, 3, 16, dtype=f64, seed=21), _randn(16, dtype=f64, seed=22)
+    x_t = x.detach().transpose(0, 1).requires_grad_()  # not contiguous: the Function must copy
+    fused = _value_and_grads(lambda a, b: functions.FusedRMSNorm.apply(a, b, 1e-6), (x_t, w))
+    ref = _value_and_grads(lambda a, b: kernels.rms_norm(a, b, 1e-6), (x_t, w))
+    for a, b in zip((fused[0], *fused[1]), (ref[0], *ref[1])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # fp32 statistics in both
+
+    h = _randn(4, 2, 2 * 8, dtype=f64, seed=23)
+    fused, ref = _value_and_grads(functions.FusedSwiGLU.apply, (h,)), _value_and_grads(kernels.swiglu, (h,))
+    torch.testing.assert_close(fused[0], ref[0]), torch.testing.assert_close(fused[1][0], ref[1][0])
+
+    qkv = _randn(5, 2, 3, 3, 8, dtype=f64, seed=24, requires_grad=False)
+    q = qkv[:, :, :, 0].permute(1, 2, 0, 3).requires_grad_()  # [b=2, heads=3, s=5, d=8], strided like attention
+    for batch in (2, 1):  # per-sample and batch-broadcast tables
+        cos, sin = (_randn(batch, 5, 8, dtype=f64, seed=s, requires_grad=False) for s in (25, 26))
+        fused = _value_and_grads(lambda t: functions.FusedRotary.apply(t, cos, sin), (q,))
+        ref = _value_and_grads(lambda t: kernels.apply_rotary(t, cos, sin), (q,))
+        torch.testing.assert_close(fused[0], ref[0]), torch.testing.assert_close(fused[1][0], ref[1][0])
