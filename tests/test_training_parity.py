@@ -84,7 +84,17 @@ def test_single_process_matches_transformers(arch):
 
 def _check_jobs(jobs, results):
     for j, (arch, layout) in enumerate(jobs):
-        check_against_reference(arch, [rank_results[j] for rank_results in results], f"{arch} {layout}")
+        per_rank = [rank_results[j] for rank_results in results]
+        check_against_reference(arch, per_rank, f"{arch} {layout}")
+        for r in per_rank:
+            if layout.get("zero"):  # ZeRO-1: each dp rank keeps Adam moments for its share only
+                assert 0 < r["adam_state_numel"] < 0.75 * r["param_numel"], layout
+            else:
+                assert r["adam_state_numel"] == r["param_numel"], layout
+        if layout.get("zero"):
+            for r in per_rank:
+                twins = [o for o in per_rank if o["coords"] | {"dp": 0} == r["coords"] | {"dp": 0}]
+                assert sum(o["adam_state_numel"] for o in twins) == r["param_numel"], layout
 
 
 def test_two_process_layouts_match_transformers():

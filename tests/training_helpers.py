@@ -112,7 +112,7 @@ def training_config(layout: dict, hp: dict = HP, **extra):
                           pipeline_model_parallel_size=layout.get("pp", 1),
                           virtual_pipeline_model_parallel_size=layout.get("vpp"),
                           sequence_parallel=layout.get("sp", False),
-                          use_distributed_optimizer=layout.get("zero", False), **hp, **extra)
+                          use_distributed_optimizer=layout.get("zero", False), **{**hp, **extra})
 
 
 def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | None = None, **extra) -> dict:
@@ -128,7 +128,9 @@ def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | Non
     optimizer = build_optimizer(chunks, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     stats = [train_step(chunks, optimizer, scheduler, split_batch(b, cfg)) for b in batches]
+    state_numel = sum(v["exp_avg"].numel() for v in optimizer.optimizer.state.values())
     result = {"losses": [s["loss"] for s in stats], "stats": stats, "state": global_state_dict(chunks),
+              "adam_state_numel": state_numel, "param_numel": sum(p.numel() for p in optimizer.model_params),
               "coords": dict(grid.coords), "config": chunks[0].config}
     state.reset()
     return result

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..parallel import state
 from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel.random import tp_rng
+from ..parallel.random import replayable, tp_rng
 from .rotary import apply_rotary
 
 
@@ -74,7 +74,7 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(self._core, q, k, v, mask, use_reentrant=False)
+            out = checkpoint(replayable(self._core), q, k, v, mask, use_reentrant=False)
         else:
             out = self._core(q, k, v, mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)

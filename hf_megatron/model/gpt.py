@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from ..parallel import comm, state
 from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..parallel.loss import vocab_parallel_cross_entropy
-from ..parallel.random import get_tracker, tp_rng
+from ..parallel.random import replayable, tp_rng
 from .attention import build_attention_mask
 from .block import TransformerLayer
 from .norms import make_norm
@@ -87,30 +87,10 @@ class Decoder(nn.Module):
     def forward(self, hidden, rotary, mask):
         for layer in self.layers:
             if self.recompute_full and self.training and torch.is_grad_enabled():
-                hidden = checkpoint(_replayable(layer), hidden, rotary, mask, use_reentrant=False)
+                hidden = checkpoint(replayable(layer), hidden, rotary, mask, use_reentrant=False)
             else:
                 hidden = layer(hidden, rotary, mask)
         return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
-
-
-def _replayable(layer):
-    """Wrap a layer so that its recomputation replays the same tensor-parallel dropout stream."""
-    tracker = get_tracker()
-    saved = tracker.get_states()
-    calls = [0]
-
-    def run(*args):
-        calls[0] += 1
-        if calls[0] == 1:
-            return layer(*args)
-        current = tracker.get_states()
-        tracker.set_states(saved)
-        try:
-            return layer(*args)
-        finally:
-            tracker.set_states(current)
-
-    return run
 
 
 class GPTModel(nn.Module):

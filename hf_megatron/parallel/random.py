@@ -81,3 +81,24 @@ def model_parallel_seed(seed: int) -> None:
 
 def tp_rng():
     return _TRACKER.fork()
+
+
+def replayable(fn):
+    """Wrap `fn` for activation checkpointing so that its recomputation replays the same
+    tensor-parallel dropout stream as the first run (torch's checkpoint restores only the default
+    generator; without this the recompute would draw new masks and advance the stream)."""
+    saved = _TRACKER.get_states()
+    calls = [0]
+
+    def run(*args):
+        calls[0] += 1
+        if calls[0] == 1:
+            return fn(*args)
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(saved)
+        try:
+            return fn(*args)
+        finally:
+            _TRACKER.set_states(current)
+
+    return run

@@ -153,8 +153,8 @@ class MixedPrecisionOptimizer:
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self) -> tuple[bool, float]:
-        """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm)."""
+    def step(self) -> tuple[bool, float | None]:
+        """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm or None if skipped)."""
         grads = [g if g is not None else torch.zeros_like(m) for g, m in zip(self.grads(), self.main_params)]
         if self.scaler.scale != 1.0:
             for g in grads:
@@ -162,7 +162,7 @@ class MixedPrecisionOptimizer:
         found_inf = self._found_inf(grads)
         self.scaler.update(found_inf)
         if found_inf:
-            return False, float("nan")
+            return False, None
         norm = self.grad_norm(grads)
         if self.clip_grad and self.clip_grad > 0:
             coeff = self.clip_grad / (norm + 1e-6)

@@ -177,7 +177,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
                micro_batches: list[dict]) -> dict[str, Any]:
     """One optimizer step over this rank's micro batches (see the module docstring).
 
-    Returns {"loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
+    Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
     `loss_scale` are the values this step used."""
     grid = state.get_state()
     for chunk in chunks:
