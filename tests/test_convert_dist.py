@@ -127,6 +127,11 @@ def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
     resume_file = safe_load(tmp_path / "saved/resume/iter_0000002/mp_rank_01_001/model_optim_rng.pt")
     assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state"} <= set(resume_file)
     assert resume_file["args"].virtual_pipeline_model_parallel_size == 2
+    # a training checkpoint (optimizer state, vpp chunks, no tokenizer) converts to HF; --verify
+    # compares our model on the checkpoint with transformers on the output
+    report = megatron_to_hf(tmp_path / "saved/resume", tmp_path / "resume_hf", verify=True)
+    assert report["verify"].top1_agreement == 1.0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "resume_hf", local_files_only=True).config.n_layer == 4
     # megatron-core's torch_dist checkpoint (common.pt args without hf_config) -> HF tensors
     megatron_to_hf(tmp_path / "torch_dist", tmp_path / "from_torch_dist", vocab_size=300)
     assert_identical(hf_tensors(hf_sources["llama"]), hf_tensors(tmp_path / "from_torch_dist"))

@@ -43,6 +43,8 @@ def add_parser(subparsers) -> None:
 def _print_report(report: dict) -> None:
     if "verify" in report:
         print(report["verify"])
+    if report.get("tokenizer_files") == []:
+        print("note: no tokenizer files found to copy (pass --tokenizer DIR, or copy them yourself)")
     print(f"wrote {report['out']}")
 
 

@@ -98,8 +98,9 @@ def set_rng_state(rng: dict[str, Any]) -> None:
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
-    level of every file (e.g. consumed_train_samples, tokens, loss); `args` entries override or
-    add to the Megatron `args` namespace."""
+    level of every file; the model card of `hf-megatron push` reports `consumed_train_samples`,
+    `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
+    `args` namespace (e.g. seq_length)."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     st = state.get_state()
