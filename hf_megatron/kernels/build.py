@@ -6,8 +6,8 @@ sources into a per-environment cache folder:
     $TORCH_EXTENSIONS_DIR/hf_megatron_kernels_<tag>   when TORCH_EXTENSIONS_DIR is set
     ~/.cache/hf_megatron/hf_megatron_kernels_<tag>    otherwise
 
-with <tag> = python, torch and CUDA versions, so switching environments never loads a stale
-binary; torch's own source hashing rebuilds when a file in csrc/ changes, and its lock file
+with <tag> = python, torch and CUDA versions and the GPU architectures, so switching
+environments or GPU types never loads a stale binary; torch's own source hashing rebuilds when a file in csrc/ changes, and its lock file
 keeps concurrent ranks from building at once.  `HF_MEGATRON_KERNELS=0` switches the kernels off.
 A failed build warns once and the process keeps using the PyTorch fallbacks.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import sys
 import threading
 import warnings
@@ -50,9 +51,21 @@ def _headers_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def _arch_tag() -> str:
+    """GPU targets the build compiles for: TORCH_CUDA_ARCH_LIST, else the visible devices' (what
+    cpp_extension does); in the folder name so a cache shared by A100 and H100 nodes keeps both."""
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if arch_list:
+        return "sm" + "-".join(sorted(set(re.findall(r"[\w.+]+", arch_list)))).replace(".", "").replace("+", "")
+    if torch.cuda.is_available():
+        capabilities = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+        return "sm" + "-".join(f"{major}{minor}" for major, minor in sorted(capabilities))
+    return "nogpu"
+
+
 def build_directory() -> Path:
     tag = (f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__.split('+')[0]}"
-           f"_cu{(torch.version.cuda or 'none').replace('.', '')}")
+           f"_cu{(torch.version.cuda or 'none').replace('.', '')}_{_arch_tag()}")
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "hf_megatron"
     return Path(root) / f"{EXTENSION_NAME}_{tag}"
 
