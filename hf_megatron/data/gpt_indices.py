@@ -14,8 +14,9 @@ samples start ``s`` tokens apart, so they overlap by ``x`` tokens.
 * shuffle index: a permutation of ``range(n)`` (the separate final epoch permuted on its own).
 
 The sample index is vectorised: with cumulative document ends ``C``, the row for stream position
-``p`` is ``j = searchsorted(C, p + x - 1, side="right")`` (the document holding the last token of
-the previous window; empty documents are skipped) and offset ``p - C[j-1]``.
+``p`` is ``j = #{i : C_i <= p + x - 1}`` (the document holding the last token of the previous
+window; empty documents are skipped), found for all samples at once from a histogram of
+``ceil((C_i - x + 1) / s)``, and offset ``p - C_{j-1}``; linear in documents + samples.
 """
 from __future__ import annotations
 
@@ -78,21 +79,27 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     if seq_length < 2:
         raise ValueError(f"sequence length must be >= 2, got {seq_length}")
     n = num_samples_in_stream(num_epochs * tokens_per_epoch, seq_length, extra, drop_last_partial)
-    lengths = np.asarray(sizes)[document_index].astype(np.int64)
-    doc_ends = np.cumsum(lengths)
+    sizes = np.asarray(sizes)
+    doc_ends = np.cumsum(sizes[document_index], dtype=np.int64)
     total = int(doc_ends[-1]) if len(doc_ends) else 0
-    wide = max(len(document_index), int(np.max(sizes)) if len(sizes) else 0) > np.iinfo(np.int32).max
+    wide = max(len(document_index), int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
     out = np.empty((n + 1, 2), dtype=np.int64 if wide else np.int32)
     out[0] = (0, 0)
-    starts = np.arange(1, n + 1, dtype=np.int64) * seq_length
-    last_token = starts + (extra - 1)
-    inside = last_token < total  # a partial last window runs past the stream end
-    j = np.searchsorted(doc_ends, last_token[inside], side="right")
-    out[1:][inside, 0] = j
-    out[1:][inside, 1] = starts[inside] - (doc_ends[j] - lengths[j])
-    if not inside.all():
-        out[1:][~inside, 0] = len(document_index) - 1
-        out[1:][~inside, 1] = lengths[-1] - extra
+    # sample k >= 1 starts at p_k = k*s; its row is the document holding q_k = p_k + x - 1.
+    # Windows with q_k inside the stream are the first `inside` ones (q_k grows with k).
+    inside = min(n, max(total - extra, -1) // seq_length)
+    # j_k = #{documents j : end_j <= q_k}; end_j <= q_k  <=>  k >= m_j := ceil((end_j - x + 1) / s),
+    # so j_k is a prefix sum of the histogram of m_j (m_j >= 0): linear time, no binary search
+    first_k = doc_ends + (seq_length - extra)
+    first_k //= seq_length
+    position = np.cumsum(np.bincount(first_k, minlength=inside + 2)[:inside + 1])[1:]
+    starts = np.arange(1, inside + 1, dtype=np.int64) * seq_length
+    out[1:inside + 1, 0] = position
+    out[1:inside + 1, 1] = starts - (doc_ends[position] - sizes[document_index[position]])
+    # a partial last window (drop_last_partial=False) ends the stream like megatron-core's loop
+    if inside < n:
+        out[inside + 1:, 0] = len(document_index) - 1
+        out[inside + 1:, 1] = int(sizes[document_index[-1]]) - extra
     return out
 
 
