@@ -42,12 +42,13 @@ def write_random_corpus(prefix: str, num_docs: int, seed: int, dtype=np.uint16, 
 
 
 def mcore_datasets(blend: tuple, split: str, seq_length: int, seed: int, sizes: list,
-                   add_extra_token: bool = True):
+                   add_extra_token: bool = True, drop_last_partial_validation: bool = True):
     """megatron-core's (train, valid, test) for blend=(prefixes, weights or None)."""
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
         tokenizer=OracleTokenizer(), reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, add_extra_token_to_sequence=add_extra_token)
+        eod_mask_loss=False, add_extra_token_to_sequence=add_extra_token,
+        drop_last_partial_validation_sequence=drop_last_partial_validation)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()

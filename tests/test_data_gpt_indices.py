@@ -104,6 +104,27 @@ def test_blend_indices_equal_mcore(corpora, tmp_path, weights, sizes):
         np.testing.assert_array_equal(mine[k], _window(ref[k]))
 
 
+@pytest.mark.parametrize("seq", [16, 23])
+def test_partial_validation_window_kept_and_padded(corpora, tmp_path, seq):
+    """drop_last_partial_validation=False: megatron-core's extra, padded last valid sample."""
+    from hf_megatron.data import batch_iterator
+
+    prefix = str(corpora / "a")
+    ref = mcore_datasets(([prefix], None), "969,30,1", seq, 11, [None, None, None],
+                         drop_last_partial_validation=False)[1]
+    ours = build_gpt_datasets(prefix, "969,30,1", seq, 11, (None, None, None), cache_dir=str(tmp_path),
+                              drop_last_partial_validation=False)[1]
+    _assert_gpt_equal(ours, ref)
+    last = int(np.flatnonzero(np.asarray(ours.shuffle_index) == len(ours) - 1)[0])
+    batches = list(batch_iterator(ours, 1, 0, 1, drop_last=False))
+    window = ref[last]["tokens"].numpy()
+    pad = ref[last]["loss_mask"].numpy() == 0  # megatron-core masks the padding out of the loss
+    assert pad.any()
+    labels = batches[last]["labels"][0].numpy()[1:]  # the model scores labels[1:]
+    assert (labels[pad] == -100).all() and (labels[~pad] == ref[last]["labels"].numpy()[~pad]).all()
+    assert (batches[last]["input_ids"][0].numpy()[:-1][~pad] == window[~pad]).all()
+
+
 def test_cache_reused_and_rebuilt_on_change(corpora, tmp_path):
     prefix = str(corpora / "a")
     first = build_gpt_datasets(prefix, "969,30,1", 16, 5, (300, 10, 2), cache_dir=str(tmp_path))[0]

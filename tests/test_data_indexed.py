@@ -11,6 +11,9 @@ from data_oracle import IndexedDatasetBuilder, write_random_corpus
 from hf_megatron.data import IndexedDataset, IndexedDatasetWriter, merge_datasets
 from hf_megatron.data.indexed import optimal_dtype
 
+# megatron-core's builder converts torch tensors through numpy.array(tensor): a numpy 2 notice
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
 
 def _same_content(ours: IndexedDataset, theirs: McoreIndexed) -> None:
     assert ours.dtype == theirs.index.dtype

@@ -59,7 +59,7 @@ def _open(prefix: str) -> IndexedDataset:
     return IndexedDataset(prefix)
 
 
-def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache_dir, extra):
+def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache_dir, extra, drop_valid):
     count = len(indexed)
     out = []
     for name, ends, size in zip(SPLITS, bookends, sizes):
@@ -68,19 +68,23 @@ def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache
             continue
         begin, end = int(round(ends[0] * float(count))), int(round(ends[1] * float(count)))
         out.append(GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), size, seq_length, seed,
-                              name, cache_dir, add_extra_token=extra))
+                              name, cache_dir, add_extra_token=extra,
+                              drop_last_partial=drop_valid or name != "valid"))
     return out
 
 
 def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
                        num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
-                       add_extra_token: bool = True, mid_level_surplus: float = 0.005):
+                       add_extra_token: bool = True, mid_level_surplus: float = 0.005,
+                       drop_last_partial_validation: bool = True):
     """(train, valid, test) datasets; a split with a zero share is None.
 
     ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
     ``num_samples``: samples wanted per split (None = one epoch; weighted blends need numbers).
     ``cache_dir``: where the index .npy files go; "auto" = ``<dir of first prefix>/cache``,
     None = build in memory on every rank.  Under torch.distributed only rank 0 builds.
+    ``drop_last_partial_validation=False`` keeps a last, padded, partial validation window
+    (megatron's ``drop_last_partial_validation_sequence``).
     """
     prefixes, weights = parse_blend(data)
     if len(num_samples) != 3:
@@ -96,7 +100,8 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
                              f"{indexed[0].idx_file}'s {indexed[0].dtype.name}; blended prefixes must "
                              "come from one tokenizer")
     if len(prefixes) == 1 and weights is None:
-        return tuple(_splits_of(indexed[0], bookends, num_samples, seq_length, seed, cache_dir, extra))
+        return tuple(_splits_of(indexed[0], bookends, num_samples, seq_length, seed, cache_dir, extra,
+                                drop_last_partial_validation))
 
     if weights is not None:
         weights = normalize(weights)
@@ -107,8 +112,8 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
                     for row in target]
     else:
         buffered = [[None] * 3 for _ in prefixes]
-    per_prefix = [_splits_of(ix, bookends, sizes, seq_length, seed, cache_dir, extra)
-                  for ix, sizes in zip(indexed, buffered)]
+    per_prefix = [_splits_of(ix, bookends, sizes, seq_length, seed, cache_dir, extra,
+                             drop_last_partial_validation) for ix, sizes in zip(indexed, buffered)]
     result = []
     for i, name in enumerate(SPLITS):
         if bookends[i] is None:

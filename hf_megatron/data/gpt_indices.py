@@ -79,8 +79,11 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     if seq_length < 2:
         raise ValueError(f"sequence length must be >= 2, got {seq_length}")
     n = num_samples_in_stream(num_epochs * tokens_per_epoch, seq_length, extra, drop_last_partial)
-    sizes = np.asarray(sizes)
-    doc_ends = np.cumsum(sizes[document_index], dtype=np.int64)
+    # gathers from an in-memory copy are several times faster than from the mapped .idx pages,
+    # and an in-place int64 cumsum beats cumsum(dtype=int64) on int32 input
+    sizes = np.array(sizes) if len(document_index) * 2 > len(sizes) else np.asarray(sizes)
+    doc_ends = sizes[document_index].astype(np.int64)
+    np.cumsum(doc_ends, out=doc_ends)
     total = int(doc_ends[-1]) if len(doc_ends) else 0
     wide = max(len(document_index), int(sizes.max()) if len(sizes) else 0) > np.iinfo(np.int32).max
     out = np.empty((n + 1, 2), dtype=np.int64 if wide else np.int32)
