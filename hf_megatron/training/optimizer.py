@@ -18,6 +18,9 @@ is counted on tp rank 0 only; the last stage's copy of tied word embeddings is n
 dp, so dp ranks hold identical norms.  If ||g|| > clip: g <- g * clip / (||g|| + 1e-6).
 
 Weight decay is not applied to biases and norm weights (every 1-D parameter).
+
+ZeRO-1 (`distributed=True`): fp32 main weights and Adam moments exist only on the dp rank that
+owns a parameter; the other dp ranks receive the updated (model-dtype) parameter by broadcast.
 """
 from __future__ import annotations
 
@@ -97,7 +100,12 @@ def _counted_in_norm(chunk, name: str, p: torch.Tensor) -> bool:
 
 
 class MixedPrecisionOptimizer:
-    """AdamW over the params of this rank's model chunks (see the module docstring)."""
+    """AdamW over the params of this rank's model chunks (see the module docstring).
+
+    `distributed=True` is ZeRO-1 over the dp group: a dp rank keeps fp32 main weights and Adam
+    moments only for the params it owns (`ZeroShards`), steps those, and the updated model params
+    are broadcast from their owners.  Its `state_dict` is then per dp rank
+    (`state_dict_per_dp_rank`, which the checkpoint writer honours)."""
 
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None,
@@ -107,29 +115,24 @@ class MixedPrecisionOptimizer:
         self.scaler = loss_scaler or LossScaler()
         groups = param_groups(self.chunks, weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
-        self.main_params, self._hooks = [], []
-        main_of = {}
-        for p in self.model_params:
-            if p.dtype == torch.float32:
-                main = p
-            else:
-                main = p.detach().clone().float()
-                p.main_grad = torch.zeros_like(main)
+        self.zero = ZeroShards(self.model_params) if distributed else None
+        self.state_dict_per_dp_rank = distributed
+        self.owned = [self.zero is None or self.zero.owns(i) for i in range(len(self.model_params))]
+        # fp32 main weights: the param itself when fp32; a copy for bf16/fp16 params we own
+        self.main_params: list[torch.Tensor | None] = []
+        self._hooks = []
+        for p, owned in zip(self.model_params, self.owned):
+            if p.dtype != torch.float32:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
-            main_of[id(p)] = main
-            self.main_params.append(main)
-        self.norm_mask = [True] * len(self.model_params)
+            self.main_params.append((p if p.dtype == torch.float32 else p.detach().clone().float()) if owned else None)
         counted = {id(p) for c in self.chunks for n, p in c.named_parameters() if _counted_in_norm(c, n, p)}
         self.norm_mask = [id(p) in counted for p in self.model_params]
 
-        self.zero = ZeroShards(self.main_params) if distributed else None
-        inner_groups = []
-        for g in groups:
-            params = [main_of[id(p)] for p in g["params"]]
-            if self.zero is not None:
-                index = {id(m): i for i, m in enumerate(self.main_params)}
-                params = [m for m in params if self.zero.owns(index[id(m)])]
-            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+        main_of = {id(p): m for p, m in zip(self.model_params, self.main_params)}
+        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                         "params": [main_of[id(p)] for p in g["params"] if main_of[id(p)] is not None]}
+                        for g in groups]
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self.optimizer = make_adam(inner_groups, lr, betas, eps, device)
 
@@ -151,14 +154,18 @@ class MixedPrecisionOptimizer:
             if getattr(p, "main_grad", None) is not None:
                 p.main_grad.zero_()
 
+    def _pairs(self):
+        """(model param, main param) for the params this rank updates."""
+        return [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not None]
+
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
         """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm or None if skipped)."""
-        grads = [g if g is not None else torch.zeros_like(m) for g, m in zip(self.grads(), self.main_params)]
+        grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
+                 for g, p in zip(self.grads(), self.model_params)]
         if self.scaler.scale != 1.0:
-            for g in grads:
-                g.mul_(1.0 / self.scaler.scale)
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         found_inf = self._found_inf(grads)
         self.scaler.update(found_inf)
         if found_inf:
@@ -167,35 +174,35 @@ class MixedPrecisionOptimizer:
         if self.clip_grad and self.clip_grad > 0:
             coeff = self.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
-                for g in grads:
-                    g.mul_(coeff)
+                torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
-            main.grad = g if g.dtype == main.dtype else g.float()
+            if main is not None:
+                main.grad = g
         self.optimizer.step()
-        if self.zero is not None:
-            self.zero.broadcast(self.main_params)
-        for p, main in zip(self.model_params, self.main_params):
+        for p, main in self._pairs():
             main.grad = None
             if main is not p:
                 p.copy_(main)
+        if self.zero is not None:
+            self.zero.broadcast()
         return True, norm
 
     def _found_inf(self, grads) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:  # stays on the device: one host sync below
+            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must skip together
         return bool(flag.item())
 
     def grad_norm(self, grads=None) -> float:
         grads = self.grads() if grads is None else grads
-        total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-        for g, counted in zip(grads, self.norm_mask):
-            if counted and g is not None:
-                total += g.double().pow(2).sum()
+        counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if counted:
+            total = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         group = state.get_state().group("mp")
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -204,19 +211,21 @@ class MixedPrecisionOptimizer:
     # ---------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict(),
-                "fp32_from_fp16_params": [m.detach().clone() for m, p in zip(self.main_params, self.model_params)
-                                          if m is not p]}
+                "fp32_from_fp16_params": [m.detach().clone() for p, m in self._pairs() if m is not p]}
 
     def load_state_dict(self, sd: dict) -> None:
+        halves = [(p, m) for p, m in self._pairs() if m is not p]
+        if len(halves) != len(sd.get("fp32_from_fp16_params", [])):
+            raise ValueError(f"optimizer state: {len(sd.get('fp32_from_fp16_params', []))} fp32_from_fp16_params "
+                             f"saved, the model has {len(halves)} low-precision params on this rank")
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scaler.load_state_dict(sd["grad_scaler"])
-        halves = [(m, p) for m, p in zip(self.main_params, self.model_params) if m is not p]
-        if len(halves) != len(sd.get("fp32_from_fp16_params", [])):
-            raise ValueError("optimizer state: fp32_from_fp16_params does not match the model's low-precision params")
         with torch.no_grad():
-            for (main, p), saved in zip(halves, sd["fp32_from_fp16_params"]):
+            for (p, main), saved in zip(halves, sd["fp32_from_fp16_params"]):
                 main.copy_(saved)
                 p.copy_(saved)
+        if self.zero is not None:
+            self.zero.broadcast()
 
 
 def _accumulate_main_grad(p: torch.Tensor) -> None:
