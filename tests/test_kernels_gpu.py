@@ -6,9 +6,10 @@ Tolerances:
   float32: relative (norm-wise) error <= 1e-5 for every output and gradient;
   bf16 / fp16, elementwise ops (SwiGLU, rotary): the kernel rounds where eager rounds, so values
       and grads must agree to 1 ulp (rtol 2^-7 bf16, 2^-10 fp16);
-  bf16 / fp16, RMSNorm: y within 2 ulp (x_hat and w * x_hat are both rounded); dx, dw norm-wise <= 1e-2 (bf16) / 2e-3 (fp16), and the
-      kernel's error against a float64 evaluation of the same formula is no worse than 1.25x the
-      fallback's (the kernel keeps dy * w in fp32 where eager rounds it).
+  bf16 / fp16, RMSNorm and LayerNorm: y within 2 ulp (the fp32 statistics may differ in their last
+      bit, then up to two roundings follow); dx, dw, db norm-wise <= 1e-2 (bf16) / 2e-3 (fp16), and
+      the kernel's error against a float64 evaluation is no worse than 1.25x the fallback's (the
+      RMSNorm kernel keeps dy * w in fp32 where eager rounds it).
 """
 import pytest
 import torch
@@ -45,7 +46,9 @@ def _run(fn, inputs, probe):
 
 
 def _assert_ulp_close(a, b, dtype, ulps=1):
-    torch.testing.assert_close(a, b, rtol=ulps * ULP[dtype], atol=ulps * ULP[dtype] * 1e-2)
+    """Within `ulps` units in the last place, relative; absolute slack for values near zero."""
+    atol = 1e-6 if dtype == torch.float32 else ULP[dtype] * 1e-2
+    torch.testing.assert_close(a, b, rtol=ulps * ULP[dtype], atol=ulps * atol)
 
 
 def _uses_kernel(monkeypatch, fused_name):
@@ -57,28 +60,38 @@ def _uses_kernel(monkeypatch, fused_name):
     return calls
 
 
+NORMS = {  # kind: (Function the dispatcher must use, fused op, eager op); params = (weight, bias)
+    "rms": ("FusedRMSNorm", lambda x, w, b, eps: kernels.rms_norm(x, w, eps),
+            lambda x, w, b, eps: reference.rms_norm_reference(x, w, eps)),
+    "layer": ("FusedLayerNorm", kernels.layer_norm, reference.layer_norm_reference),
+}
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (3, 999), (2, 3, 4096), (8192, 1024), (5, 16384), (3, 65536)])
-def test_rms_norm_kernel_matches_fallback(monkeypatch, dtype, shape):
-    """999: unvectorised path; 16384 fp32: shared-memory opt-in; 65536: dw partials in global memory;
-    8192 rows: many rows per backward block."""
-    calls = _uses_kernel(monkeypatch, "FusedRMSNorm")
+def test_norm_kernel_matches_fallback(monkeypatch, kind, dtype, shape):
+    """999: unvectorised path; 16384: shared-memory opt-in; 65536: parameter-grad partials in global
+    memory; 8192 rows: many rows per backward block."""
+    function_name, fused, eager = NORMS[kind]
+    calls = _uses_kernel(monkeypatch, function_name)
     eps = 1e-5
-    x = _rand(*shape, dtype=dtype, seed=1, scale=3.0).requires_grad_()
+    x = (_rand(*shape, dtype=dtype, seed=1, scale=3.0) + 0.5).requires_grad_()
     w = (1 + 0.1 * _rand(shape[-1], dtype=torch.float32, seed=2)).to(dtype).requires_grad_()
-    probe = _rand(*shape, dtype=dtype, seed=3)
-    y, (dx, dw) = _run(lambda a, b: kernels.rms_norm(a, b, eps), (x, w), probe)
-    ref_y, (ref_dx, ref_dw) = _run(lambda a, b: reference.rms_norm_reference(a, b, eps), (x, w), probe)
+    b = (0.1 * _rand(shape[-1], dtype=torch.float32, seed=3)).to(dtype).requires_grad_(kind == "layer")
+    inputs = (x, w, b)
+    probe = _rand(*shape, dtype=dtype, seed=4)
+    y, grads = _run(lambda *t: fused(*t, eps), inputs, probe)
+    ref_y, ref_grads = _run(lambda *t: eager(*t, eps), inputs, probe)
     assert calls, "the kernel was not used"
-    assert y.dtype == dx.dtype == dw.dtype == dtype
-    _assert_ulp_close(y, ref_y, dtype, ulps=2)  # 1/rms may differ in its last bit: two roundings follow
-    assert rel_err(dx, ref_dx) <= NORM_TOL[dtype]
-    assert rel_err(dw, ref_dw) <= NORM_TOL[dtype]
-    if dtype != torch.float32:  # no less accurate than eager against float64
-        exact_y, (exact_dx, exact_dw) = _run(lambda a, b: reference.rms_norm_reference(a, b, eps).double(),
-                                             (x.double(), w.double()), probe.double())
-        for ours, eager, exact in ((dx, ref_dx, exact_dx), (dw, ref_dw, exact_dw)):
-            assert rel_err(ours, exact) <= 1.25 * rel_err(eager, exact) + 1e-6
+    assert y.dtype == dtype and all(g.dtype == dtype for g in grads)
+    _assert_ulp_close(y, ref_y, dtype, ulps=2)  # statistics may differ in their last bit: two roundings follow
+    for ours, eager_grad in zip(grads, ref_grads):
+        assert rel_err(ours, eager_grad) <= NORM_TOL[dtype]
+    if dtype != torch.float32:  # no less accurate than eager against a float64 evaluation
+        _, exact_grads = _run(lambda *t: eager(*t, eps), [t.double() for t in inputs], probe.double())
+        for ours, eager_grad, exact in zip(grads, ref_grads, exact_grads):
+            assert rel_err(ours, exact) <= 1.25 * rel_err(eager_grad, exact) + 1e-6
 
 
 def test_rms_norm_weight_grad_is_deterministic():
@@ -143,16 +156,18 @@ def test_rotary_with_cos_grad_falls_back():
     assert cos.grad is not None
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_llama_model_with_kernels_matches_fallbacks(monkeypatch, dtype, tol):
-    """Tiny Llama on CUDA: logits and every parameter gradient, kernels on vs HF_MEGATRON_KERNELS=0."""
+def test_model_with_kernels_matches_fallbacks(monkeypatch, arch, dtype, tol):
+    """Tiny Llama (RMSNorm, SwiGLU, rotary) and GPT-2 (LayerNorm) on CUDA: logits and every
+    parameter gradient, kernels on vs HF_MEGATRON_KERNELS=0."""
     import hf_megatron
 
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1)).cuda()
     results = []
     for switch in ("1", "0"):
         monkeypatch.setenv("HF_MEGATRON_KERNELS", switch)
-        model = hf_megatron.from_pretrained(tiny_hf_model("llama")).to(device="cuda", dtype=dtype)
+        model = hf_megatron.from_pretrained(tiny_hf_model(arch)).to(device="cuda", dtype=dtype)
         out = model(ids, labels=ids)
         out.loss.backward()
         results.append((out.logits.float(), local_grads(model)))

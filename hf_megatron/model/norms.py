@@ -19,7 +19,16 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)  # fused on CUDA; same expression elsewhere
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, state-dict names and CPU numerics), fused on CUDA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight is None or self.bias is None or len(self.normalized_shape) != 1:
+            return super().forward(x)
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
 def make_norm(config, dtype=None, device=None) -> nn.Module:
     if config.normalization == "RMSNorm":
         return RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+    return LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
