@@ -26,6 +26,7 @@ python3 bench/gpu_parity.py --compare "$O"/p0_ref.json "$O"/p1_tp2.json "$O"/p2_
 grep -m3 -B2 -A12 "Traceback" "$O/parity.log" | head -60
 fi
 
+if [ "${THROUGHPUT:-1}" = 1 ]; then
 [ "$MODE" = smoke ] && { MODEL=tiny; SEQ=512; }
 echo "== throughput ($MODEL, seq $SEQ, global batch $GBS)"
 PEAK=$(python3 bench/matmul_peak.py | python3 -c "import json,sys; print(json.load(sys.stdin)['bf16_matmul_flops'])")
@@ -36,7 +37,12 @@ $T --nproc-per-node 1 $B --out "$O/t1_1gpu.json" >> "$O/tput.log" 2>&1
 $T --nproc-per-node 2 $B --tp 2 --sp --out "$O/t2_tp2.json" >> "$O/tput.log" 2>&1
 $T --nproc-per-node 2 $B --dist-opt --out "$O/t3_dp2.json" >> "$O/tput.log" 2>&1
 $T --nproc-per-node 2 $B --pp 2 --out "$O/t4_pp2.json" >> "$O/tput.log" 2>&1
-grep -m3 -B2 -A12 "Traceback\|Error" "$O/tput.log" | head -40
+if [ -n "${GBS_LARGE:-}" ]; then  # dp scaling once the gradient all-reduce is amortised over more micro batches
+  $T --nproc-per-node 1 $B --gbs $GBS_LARGE --out "$O/t5_1gpu_gbs$GBS_LARGE.json" >> "$O/tput.log" 2>&1
+  $T --nproc-per-node 2 $B --gbs $GBS_LARGE --dist-opt --out "$O/t6_dp2_gbs$GBS_LARGE.json" >> "$O/tput.log" 2>&1
+fi
+grep -m3 -B2 -A12 "Traceback" "$O/tput.log" | head -40
 python3 bench/table.py "$O"/t*.json | tee "$O/throughput.md"
-[ -n "${OUT:-}" ] && { cat "$O"/t*.json > "$OUT/throughput.jsonl" 2>/dev/null; cp "$O"/*.md "$O"/*.txt "$O"/*.log "$OUT"/ 2>/dev/null; }
+fi
+[ -n "${OUT:-}" ] && { for f in "$O"/t*.json; do cat "$f"; echo; done > "$OUT/throughput.jsonl" 2>/dev/null; cp "$O"/*.md "$O"/*.txt "$O"/*.log "$OUT"/ 2>/dev/null; }
 true
