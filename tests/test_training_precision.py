@@ -68,10 +68,20 @@ def fp16_with_injected_inf(rank, world, batches, inf_step):
     return out
 
 
-def test_fp16_inf_gradient_skips_step_and_halves_scale():
+def mixed_precision_jobs(rank, world, batches, inf_step):
+    """One spawn, two jobs: fp16 llama dp=2 with an injected inf; bf16 gpt2 pp=2 (tied embeddings)."""
+    fp16 = fp16_with_injected_inf(rank, world, batches, inf_step)
+    from hf_megatron.parallel import state
+    state.reset()
+    bf16 = our_run("gpt2", {"pp": 2}, batches[:3], bf16=True)
+    return {"fp16": fp16, "bf16_pp": {k: bf16[k] for k in ("losses", "state")}}
+
+
+def test_fp16_inf_gradient_skips_step_and_halves_scale_and_bf16_pipeline_keeps_tied_copies_equal():
     batches = make_batches(5)
     ref_losses, _, _ = reference_run("llama", batches, **layer_kwargs("llama"))
-    per_rank = run_distributed(fp16_with_injected_inf, 2, (batches, 1))
+    results = run_distributed(mixed_precision_jobs, 2, (batches, 1))
+    per_rank = [r["fp16"] for r in results]
     for stats in per_rank:
         assert [s["dtype"] for s in stats] == ["torch.float16"] * 5
         assert [s["skipped"] for s in stats] == [False, True, False, False, False]
@@ -84,3 +94,12 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
     assert per_rank[0] == per_rank[1]
     # step 0 runs the initial weights: an fp16 forward agrees with fp32 to ~1e-3
     assert abs(per_rank[0][0]["loss"] - ref_losses[0]) <= 2e-3 * ref_losses[0]
+
+    # bf16 with pp=2: the last stage's output-layer copy of the tied embedding got the summed
+    # fp32 main grad and the same Adam step, so it equals the first stage's embedding exactly
+    first, last = (r["bf16_pp"] for r in results)
+    assert torch.equal(first["state"]["embedding.word_embeddings.weight"],
+                       last["state"]["output_layer.weight(tied copy)"])
+    gpt2_ref, _, _ = reference_run("gpt2", batches[:3], **layer_kwargs("gpt2"))
+    for ours, ref in zip(first["losses"], gpt2_ref):
+        assert abs(ours - ref) <= 2e-2 * ref
