@@ -80,7 +80,8 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     """(train, valid, test) datasets; a split with a zero share is None.
 
     ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
-    ``num_samples``: samples wanted per split (None = one epoch; weighted blends need numbers).
+    ``num_samples``: samples wanted per split (None = one epoch; for a weighted blend None means
+    the split is not built).
     ``cache_dir``: where the index .npy files go; "auto" = ``<dir of first prefix>/cache``,
     None = build in memory on every rank.  Under torch.distributed only rank 0 builds.
     ``drop_last_partial_validation=False`` keeps a last, padded, partial validation window
@@ -105,8 +106,10 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
 
     if weights is not None:
         weights = normalize(weights)
-        if any(n is None for n, ends in zip(num_samples, bookends) if ends is not None):
-            raise ValueError("a weighted blend needs a sample count for every non-empty split")
+        # a weighted blend is sized by its sample count: without one the split is not built
+        bookends = [ends if n is not None else None for ends, n in zip(bookends, num_samples)]
+        if bookends[0] is None:
+            raise ValueError("a weighted blend needs num_samples for the train split")
         target = [[math.ceil(n * w) if n is not None else None for n in num_samples] for w in weights]
         buffered = [[int(math.ceil(t * (1 + mid_level_surplus))) if t is not None else None for t in row]
                     for row in target]

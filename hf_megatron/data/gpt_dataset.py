@@ -1,6 +1,7 @@
 """GPT pretraining datasets over indexed data: one split of one prefix, and weighted blends."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import numpy as np
@@ -41,7 +42,7 @@ class GPTDataset:
             "drop_last_partial": bool(drop_last_partial),
         }
         if not np.array_equal(documents, np.arange(description["documents"][0], description["documents"][1])):
-            description["documents_md5"] = __import__("hashlib").md5(documents.tobytes()).hexdigest()
+            description["documents_md5"] = hashlib.md5(documents.tobytes()).hexdigest()
 
         def build():
             tokens = int(indexed.sequence_lengths[documents].sum(dtype=np.int64))
