@@ -27,6 +27,27 @@ def test_lr_schedule_matches_megatron_core(style, warmup, decay):
         ours.step()
 
 
+def test_scheduler_state_uses_megatron_sample_units():
+    """Megatron-LM steps its scheduler by global_batch_size samples per iteration."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    gbs, warmup, decay = 16, 4, 30
+    ours = LRScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 1e-3, 1e-5, warmup, decay,
+                       "cosine", samples_per_iter=gbs)
+    for _ in range(11):
+        ours.step()
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref = OptimizerParamScheduler(ref_opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-5, lr_warmup_steps=warmup * gbs,
+                                  lr_decay_steps=decay * gbs, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                  wd_incr_steps=1, wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False)
+    ref.load_state_dict(ours.state_dict())  # checks max/min lr, warmup, decay and style agree
+    assert ref.num_steps == 11 * gbs
+    assert ref_opt.param_groups[0]["lr"] == pytest.approx(ours.lr, rel=1e-12)
+    back = LRScheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), 1e-3, 1e-5, warmup, decay,
+                       "cosine", samples_per_iter=gbs)
+    back.load_state_dict(ref.state_dict())
+    assert back.num_steps == 11 and back.lr == ours.lr
+
+
 def test_lr_schedule_rejects_bad_settings():
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="lr_decay_style"):

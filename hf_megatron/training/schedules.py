@@ -11,8 +11,10 @@ iteration count n (n = number of optimizer steps already taken) is
         cosine:       min_lr + (lr - min_lr) * (1 + cos(pi r)) / 2
 
 As in Megatron the scheduler is stepped *after* each optimizer step, so the first step runs
-at n = 0 (rate 0 when there is warmup).  Megatron counts in samples when given
-iterations (steps x global batch); the ratios are identical, so we count iterations.
+at n = 0 (rate 0 when there is warmup).  Megatron-LM counts these in samples (iterations x
+global batch size); the ratios are identical, so we count iterations and convert only in
+`state_dict` / `load_state_dict`, which use Megatron's keys and units (`samples_per_iter` =
+global batch size), so a checkpoint's `opt_param_scheduler` loads in either program.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 class LRScheduler:
     def __init__(self, optimizer, lr: float, min_lr: float = 0.0, warmup_iters: int = 0,
-                 decay_iters: int | None = None, decay_style: str = "linear") -> None:
+                 decay_iters: int | None = None, decay_style: str = "linear", samples_per_iter: int = 1) -> None:
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, got {decay_style!r}")
         if not 0.0 <= min_lr <= lr:
@@ -38,6 +40,7 @@ class LRScheduler:
         self.max_lr, self.min_lr = float(lr), float(min_lr)
         self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
         self.num_steps = 0
+        self.samples_per_iter = samples_per_iter
         self._apply()
 
     def get_lr(self, num_steps: int | None = None) -> float:
@@ -69,10 +72,20 @@ class LRScheduler:
         return self.get_lr()
 
     def state_dict(self) -> dict:
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters,
-                "lr_decay_steps": self.decay_iters, "lr_decay_style": self.decay_style,
-                "num_steps": self.num_steps}
+        """Megatron's `opt_param_scheduler` entry (steps in samples)."""
+        n = self.samples_per_iter
+        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters * n,
+                "lr_decay_steps": self.decay_iters * n, "lr_decay_style": self.decay_style,
+                "num_steps": self.num_steps * n}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_steps = int(state["num_steps"])
+        """Resume the step count (the schedule's shape stays as configured, as Megatron's default)."""
+        try:
+            samples = int(state["num_steps"] if "num_steps" in state else state["num_iters"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("opt_param_scheduler: expected an integer 'num_steps' entry") from None
+        if samples % self.samples_per_iter:
+            raise ValueError(f"opt_param_scheduler: num_steps={samples} samples is not a multiple of the global "
+                             f"batch size {self.samples_per_iter}")
+        self.num_steps = samples // self.samples_per_iter
         self._apply()
