@@ -1,5 +1,6 @@
 """Indexed .bin/.idx files: byte compatibility with megatron-core 0.16.1 both ways, merge, bad files."""
 import os
+import pickle
 import struct
 
 import numpy as np
@@ -35,6 +36,9 @@ def test_mcore_written_read_by_ours(tmp_path, dtype):
     assert ours.num_documents == len(docs)
     for d, sequences in enumerate(docs):
         np.testing.assert_array_equal(ours.document(d), np.concatenate(sequences))
+    pickled = pickle.dumps(ours)  # DataLoader workers reopen by path, no copy of the data
+    assert len(pickled) < 500
+    np.testing.assert_array_equal(pickle.loads(pickled)[5], ours[5])
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])

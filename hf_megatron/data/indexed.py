@@ -103,6 +103,10 @@ class IndexedDataset:
         # an empty .bin cannot be memory-mapped
         self._data = np.memmap(self.bin_file, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
 
+    def __reduce__(self):
+        # reopen by path in DataLoader workers (spawn/forkserver) instead of copying the mapped data
+        return IndexedDataset, (self.prefix,)
+
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
