@@ -94,3 +94,17 @@ def test_sharded_bf16_output_loads_in_transformers(hf_sources, tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(hf_sources["llama"], local_files_only=True, dtype=torch.bfloat16)
     ids = torch.tensor([[1, 5, 9, 200, 7]])
     assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_base_model_names_without_prefix_are_read(hf_sources, tmp_path):
+    """The Hub's gpt2 stores `h.0.attn.c_attn.weight`, not `transformer.h.0...`."""
+    import shutil
+    from safetensors.torch import save_file
+    src = tmp_path / "bare"
+    shutil.copytree(hf_sources["gpt2"], src)
+    tensors = hf_tensors(src)
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items()}, str(src / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_to_megatron(src, tmp_path / "m", tp=2)
+    megatron_to_hf(tmp_path / "m", tmp_path / "back")
+    assert_identical(tensors, hf_tensors(tmp_path / "back"))

@@ -85,9 +85,18 @@ class HFCheckpoint:
         return list(self._where)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return self._stored_name(name) in self._where
+
+    def _stored_name(self, name: str) -> str:
+        """Base-model checkpoints (e.g. the Hub's gpt2) store names without `transformer.`/`model.`."""
+        if name not in self._where:
+            head, _, rest = name.partition(".")
+            if head in ("transformer", "model") and rest in self._where:
+                return rest
+        return name
 
     def get(self, name: str) -> torch.Tensor:
+        name = self._stored_name(name)
         file = self._where.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
