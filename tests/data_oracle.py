@@ -7,6 +7,7 @@ import numpy as np
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
+    from megatron.core.datasets import helpers as mcore_helpers  # noqa: F401  (compiled C++ index helpers)
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder

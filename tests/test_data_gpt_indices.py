@@ -130,6 +130,33 @@ def test_partial_validation_window_kept_and_padded(corpora, tmp_path, seq):
     assert (batches[last]["input_ids"][0].numpy()[:-1][~pad] == window[~pad]).all()
 
 
+@pytest.mark.parametrize("path", ["compiled", "python"])
+def test_blending_schedules_equal_mcore_helper(monkeypatch, path):
+    """Both our schedule loops (C helper, pure-Python fallback) vs megatron-core's C++ helper."""
+    from data_oracle import mcore_helpers
+    from hf_megatron.data import blending, compiled
+
+    if path == "python":
+        monkeypatch.setattr(compiled, "blend_schedule", lambda *args: None)
+    else:
+        assert compiled.load() is not None, "no C compiler here: the compiled path is untested"
+    rng = np.random.default_rng(7)
+    for trial in range(40):
+        count = int(rng.integers(1, 6))
+        raw = [1.0] * count if trial % 4 == 0 else list(rng.random(count) * 10)  # exact ties too
+        weights = blending.normalize(raw)
+        size = int(rng.integers(0, 2000))
+        expected = (np.zeros(size, np.int16), np.zeros(size, np.int64))
+        mcore_helpers.build_blending_indices(*expected, weights, count, size, False)
+        for mine, ref in zip(blending.build_blending_indices(weights, size), expected):
+            assert mine.dtype == ref.dtype and np.array_equal(mine, ref), trial
+        sizes = rng.integers(1, 300, size=count).astype(np.int64)
+        expected = (np.zeros(sizes.sum(), np.int16), np.zeros(sizes.sum(), np.int64))
+        mcore_helpers.build_exhaustive_blending_indices(*expected, sizes, count)
+        for mine, ref in zip(blending.build_exhaustive_blending_indices(sizes), expected):
+            assert np.array_equal(mine, ref), trial
+
+
 def test_cache_reused_and_rebuilt_on_change(corpora, tmp_path):
     prefix = str(corpora / "a")
     first = build_gpt_datasets(prefix, "969,30,1", 16, 5, (300, 10, 2), cache_dir=str(tmp_path))[0]
