@@ -69,8 +69,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 def _rotary_fits(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     if x.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape:
         return False
-    batch, _, seq, dim = x.shape
+    batch, heads, seq, dim = x.shape
     return (cos.shape[0] in (1, batch) and tuple(cos.shape[1:]) == (seq, dim) and dim % 2 == 0
+            and batch <= 65535 and heads <= 65535  # CUDA grid z / y limits
             and cos.dtype == sin.dtype == x.dtype and cos.device == sin.device == x.device
             and not (cos.requires_grad or sin.requires_grad))  # the kernel returns no cos/sin grads
 
