@@ -39,7 +39,7 @@ def _rand(*shape, dtype, seed, scale=1.0):
 
 def _run(fn, inputs, probe):
     """Output and grads of sum(fn(*inputs) * probe) for the inputs that require grad."""
-    leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+    leaves = [t.detach().requires_grad_(t.requires_grad) for t in inputs]  # same storage and strides
     out = fn(*leaves)
     grads = torch.autograd.grad((out * probe).sum(), [t for t in leaves if t.requires_grad])
     return out.detach(), grads
