@@ -118,3 +118,34 @@ def test_unpickling_never_runs_code(tmp_path):
     loaded = safe_load(tmp_path / "sneaky.pt")  # an unknown class: an inert stand-in, never the class
     assert not marker.exists()
     assert torch.equal(loaded["w"], torch.ones(2)) and loaded["args"].state == {"marker": str(marker)}
+
+
+@pytest.mark.parametrize("singleton_fc1", [False, True])
+def test_torch_dist_with_common_state_inside_the_dcp_files(singleton_fc1, hf_sources, tmp_path):
+    """The other torch_dist layout: no common.pt, `args` saved as a byte entry by
+    torch.distributed.checkpoint; layers stacked on a leading axis as megatron-core stores them
+    (its own writer is exercised in test_convert_dist.py); SwiGLU fc1 optionally as `_w` / `_v`."""
+    import torch.distributed.checkpoint as dcp
+    from hf_megatron.conversion.megatron_ckpt import open_megatron
+    hf_to_megatron(hf_sources["llama"], tmp_path / "m")
+    reader = open_megatron(tmp_path / "m")
+    full = reader.full_state_dict()
+    state = {}
+    for name, tensor in full.items():
+        if name.startswith("decoder.layers."):
+            suffix = name.split(".", 3)[3]
+            key = "decoder.layers." + suffix
+            if key not in state:
+                state[key] = torch.stack([full[f"decoder.layers.{i}.{suffix}"] for i in range(2)])
+        else:
+            state[name] = tensor
+    if singleton_fc1:
+        gate, up = state.pop("decoder.layers.mlp.linear_fc1.weight").chunk(2, dim=1)
+        state["decoder.layers.mlp.linear_fc1.weight_w"], state["decoder.layers.mlp.linear_fc1.weight_v"] = gate, up
+    state["args"] = _megatron_lm_args(reader.args)
+    state["iteration"] = 9
+    folder = tmp_path / "dist/iter_0000009"
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder)), no_dist=True)
+    (tmp_path / "dist/latest_checkpointed_iteration.txt").write_text("9")
+    megatron_to_hf(tmp_path / "dist", tmp_path / "hf", vocab_size=300)
+    assert_identical(hf_tensors(hf_sources["llama"]), hf_tensors(tmp_path / "hf"))

@@ -34,7 +34,9 @@ _LAYERS = "decoder.layers."
 _MODEL_PREFIX = re.compile(r"^model\d*\.")
 _SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.",)
 _SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
-                 ("builtins", "slice"), ("torch.serialization", "_get_layout")}  # name -> torch.layout
+                 ("builtins", "slice"), ("torch.serialization", "_get_layout"),  # name -> torch.layout
+                 *((module, cls) for module in ("pathlib", "pathlib._local")  # the checkpoint id
+                   for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"))}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -72,6 +74,8 @@ def _planner(fqn: str, offsets, sizes):
         """Loads one box (offsets, sizes) of one entry; byte entries through safe_load."""
 
         def create_local_plan(self):
+            if offsets is None:  # a byte entry: the default plan reads it whole
+                return super().create_local_plan()
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             return LoadPlan(create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk]))
 
@@ -81,7 +85,7 @@ def _planner(fqn: str, offsets, sizes):
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             self.state_dict[read_item.dest_index.fqn] = safe_load(io.BytesIO(value.read()))
 
-    return ChunkPlanner()
+    return ChunkPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)  # results land in our dict
 
 
 class TorchDistCheckpoint(CheckpointReader):
