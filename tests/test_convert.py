@@ -108,3 +108,22 @@ def test_base_model_names_without_prefix_are_read(hf_sources, tmp_path):
     hf_to_megatron(src, tmp_path / "m", tp=2)
     megatron_to_hf(tmp_path / "m", tmp_path / "back")
     assert_identical(tensors, hf_tensors(tmp_path / "back"))
+
+
+def test_any_layout_loads_into_a_single_process_model(hf_sources, tmp_path):
+    from hf_megatron.config import ModelConfig
+    from hf_megatron.conversion.hf_io import CheckpointError
+    from hf_megatron.conversion.megatron_ckpt import load_megatron_weights
+    from hf_megatron.model.gpt import GPTModel
+    from tiny import rel_err
+    hf_to_megatron(hf_sources["mistral"], tmp_path / "m", tp=2, pp=2)
+    config = ModelConfig.from_hf(json.loads((hf_sources["mistral"] / "config.json").read_text()))
+    model = GPTModel(config).eval()
+    load_megatron_weights(model, tmp_path / "m")
+    reference = AutoModelForCausalLM.from_pretrained(hf_sources["mistral"], local_files_only=True).eval()
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 108, 7, 9, 250, 1, 2]])  # longer than the sliding window
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, reference(ids).logits) <= 1e-5
+    gpt2 = GPTModel(ModelConfig.from_hf(json.loads((hf_sources["gpt2"] / "config.json").read_text())))
+    with pytest.raises(CheckpointError, match="model_type: model gpt2 vs checkpoint mistral"):
+        load_megatron_weights(gpt2, tmp_path / "m")

@@ -124,3 +124,21 @@ class MegatronCheckpoint(CheckpointReader):
         p, v, local = self.locate(name)
         shards = [ranks[v][local] for ranks in self._stage_states(p)]
         return merge_tensor(name, shards, self.config)  # mmap-backed where unchanged: no copy
+
+
+def load_megatron_weights(model, path: str | os.PathLike, iteration: int | None = None):
+    """Load a Megatron checkpoint of *any* TP/PP layout into `model` (this rank's GPTModel, any
+    layout): the full tensors of the model's layers are read, then sharded for this rank.
+    Weights only; for exact resume in the saved layout use training.checkpoint.load_checkpoint."""
+    ckpt = open_megatron(path, iteration)
+    ours, theirs = model.config, ckpt.config
+    fields = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+              "ffn_hidden_size", "vocab_size")
+    diff = [f"{f}: model {getattr(ours, f)} vs checkpoint {getattr(theirs, f)}" for f in fields
+            if getattr(ours, f) != getattr(theirs, f)]
+    if diff:
+        raise CheckpointError(f"{ckpt.folder}: checkpoint does not match the model ({'; '.join(diff)})")
+    layers = range(model.layer_offset, model.layer_offset + model.num_layers)
+    wanted = [n for n in ckpt.names() if not (m := _LAYER.match(n)) or int(m.group(1)) in layers]
+    model.load_full_state_dict({n: ckpt.get(n) for n in wanted})
+    return ckpt

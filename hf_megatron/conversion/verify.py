@@ -66,7 +66,7 @@ def megatron_logits(checkpoint, ids: torch.Tensor, round_to: torch.dtype | None 
     state.reset()
     try:
         model = GPTModel(checkpoint.config, dtype=torch.float32)
-        model.load_full_state_dict({k: v.float() for k, v in checkpoint.full_state_dict().items()})
+        model.load_full_state_dict(checkpoint.full_state_dict())  # load_state_dict casts to fp32
         return _round(model.eval(), round_to)(ids).logits.float()
     finally:
         state.set_state(saved)
