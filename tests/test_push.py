@@ -56,7 +56,7 @@ def _trained_hf_folder(hf_sources, tmp_path):
     from hf_megatron.conversion.megatron_files import safe_load
     for rank_file in (tmp_path / "meg/release").glob("*/model_optim_rng.pt"):
         payload = safe_load(rank_file)
-        payload.update(iteration=1200, consumed_train_samples=4800, final_loss=2.3456)
+        payload.update(iteration=1200, consumed_train_samples=4800, loss=2.3456)  # as the training loop saves
         payload["args"].seq_length = 64
         torch.save(payload, rank_file)
     (tmp_path / "meg/release").rename(tmp_path / "meg/iter_0001200")

@@ -117,6 +117,8 @@ def training_info(ckpt) -> dict[str, Any]:
         value = ckpt.info.get(key, getattr(args, key, None))
         if isinstance(value, (int, float, str)):
             info[key] = value
+    if "final_loss" not in info and isinstance(ckpt.info.get("loss"), (int, float)):
+        info["final_loss"] = ckpt.info["loss"]  # what the training loop stores at each save
     return info
 
 

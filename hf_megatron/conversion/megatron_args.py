@@ -31,7 +31,7 @@ def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = 
         group_query_attention=config.num_query_groups != config.num_attention_heads,
         kv_channels=config.kv_channels,
         max_position_embeddings=config.max_position_embeddings,
-        seq_length=config.max_position_embeddings,
+        seq_length=None,  # the training sequence length: set by the trainer through save_checkpoint(args=...)
         vocab_size=config.vocab_size,
         padded_vocab_size=config.padded_vocab_size(tp),
         make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
