@@ -2,7 +2,8 @@
 loader into the parallel GPTModel they give transformers' logits; saving them again writes the
 same files; megatron-core's own GPTModel loads our rank files strictly, and the torch_dist
 checkpoint megatron-core writes from them converts back to the original HF tensors; training
-resumed from a tp=2 x pp=2 x vpp=2 checkpoint matches the uninterrupted run."""
+resumed from a tp=2 x pp=2 x vpp=2 checkpoint, and from pp=2 x dp=2 with the ZeRO optimizer,
+matches the uninterrupted run."""
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,12 @@ def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
     cfg = training_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                           virtual_pipeline_model_parallel_size=2)
     uninterrupted, resumed = run_and_resume(cfg, model_config(n_layer=4), f"{save_root}/resume")
+    # and with pp=2 x dp=2 and the ZeRO optimizer, whose state is per dp rank (optim_dp_RRR.pt)
+    cfg = training_config(pipeline_model_parallel_size=2, use_distributed_optimizer=True)
+    zero_uninterrupted, zero_resumed = run_and_resume(cfg, model_config(), f"{save_root}/resume_zero")
     return {"logits": logits, "iterations": iterations, "mcore_missing": bad_missing,
-            "mcore_unexpected": result.unexpected_keys, "uninterrupted": uninterrupted, "resumed": resumed}
+            "mcore_unexpected": result.unexpected_keys, "uninterrupted": uninterrupted, "resumed": resumed,
+            "zero_uninterrupted": zero_uninterrupted, "zero_resumed": zero_resumed}
 
 
 def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
@@ -124,6 +129,10 @@ def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
     for r in results:
         assert r["mcore_missing"] == [] and r["mcore_unexpected"] == []
         assert r["resumed"] == r["uninterrupted"] and len(set(r["uninterrupted"])) == len(r["uninterrupted"])
+        assert r["zero_resumed"] == r["zero_uninterrupted"]
+    zero_dir = tmp_path / "saved/resume_zero/iter_0000002/mp_rank_00_001"
+    assert sorted(p.name for p in zero_dir.iterdir()) == ["model_optim_rng.pt", "optim_dp_000.pt", "optim_dp_001.pt"]
+    assert "optimizer" not in safe_load(zero_dir / "model_optim_rng.pt")
     resume_file = safe_load(tmp_path / "saved/resume/iter_0000002/mp_rank_01_001/model_optim_rng.pt")
     assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state"} <= set(resume_file)
     assert resume_file["args"].virtual_pipeline_model_parallel_size == 2
