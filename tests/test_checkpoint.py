@@ -99,3 +99,20 @@ def test_load_with_other_tp_is_a_clear_error(hf_sources, tmp_path):
     with pytest.raises(CheckpointError, match="holds no optimizer state"):
         hf_to_megatron(hf_sources["llama"], tmp_path / "tp1")
         load_checkpoint(tmp_path / "tp1", model, torch.optim.AdamW(model.parameters()))
+
+
+def test_load_megatron_lm_file_with_numpy_rng_and_cuda_tracker(tmp_path):
+    """A file as Megatron-LM writes it: numpy RNG array, CUDA tracker streams, scheduler dict."""
+    state.reset()
+    model, _, _ = _setup()
+    save_checkpoint(tmp_path, 5, model)
+    path = tmp_path / "iter_0000005/mp_rank_00/model_optim_rng.pt"
+    payload = safe_load(path)
+    payload["rng_state"] = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.ones(8, dtype=torch.uint8),
+                             "rng_tracker_states": {"model-parallel-rng": torch.ones(8, dtype=torch.uint8)}}]
+    torch.save(payload, path)
+    fresh, _, _ = _setup(seed=3)
+    assert load_checkpoint(tmp_path, fresh) == 5
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name

@@ -83,14 +83,19 @@ def get_rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(rng: dict[str, Any]) -> None:
+    """Restore what `get_rng_state` saved.  From a Megatron-LM file, parts we cannot use (its
+    numpy array arrives as an inert stand-in, its tracker holds CUDA streams by other names)
+    are skipped rather than guessed."""
     random.setstate(rng["random_rng_state"])
     name, keys, pos, gauss, cached = rng["np_rng_state"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, gauss, cached))
+    if isinstance(keys, torch.Tensor):
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, gauss, cached))
     torch.set_rng_state(rng["torch_rng_state"])
     if torch.cuda.is_available() and rng.get("cuda_rng_state") is not None:
         torch.cuda.set_rng_state(rng["cuda_rng_state"])
-    if rng.get("rng_tracker_states"):
-        get_tracker().set_states(rng["rng_tracker_states"])
+    tracker_states = rng.get("rng_tracker_states") or {}
+    if "cpu" in tracker_states:
+        get_tracker().set_states(tracker_states)
 
 
 # ------------------------------------------------------------------ save
@@ -196,8 +201,9 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     if scheduler is not None and "opt_param_scheduler" in payload:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
     if load_rng and payload.get("rng_state"):
-        rng = payload["rng_state"]
-        set_rng_state(rng[dp_rank] if isinstance(rng, list) and len(rng) > dp_rank else (rng[0] if isinstance(rng, list) else rng))
+        # Megatron stores a list (one entry per dp rank with --data-parallel-random-init, else one)
+        rng = payload["rng_state"] if isinstance(payload["rng_state"], list) else [payload["rng_state"]]
+        set_rng_state(rng[dp_rank] if dp_rank < len(rng) else rng[0])
     return 0 if iteration == "release" else int(iteration)
 
 
