@@ -157,7 +157,13 @@ def summarize(args, cfg, step_time: float, world: int, loss: float, layout: str)
             "tokens_per_s_per_gpu": round(tokens / step_time / world, 1), "tflops_per_gpu": round(flops / 1e12, 1),
             "mfu_measured_peak": round(flops / peak, 4), "mfu_datasheet": round(flops / DATASHEET_PEAK, 4),
             "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "loss": round(float(loss), 4),
-            "sp": args.sp, "dist_opt": args.dist_opt, "recompute": args.recompute}
+            "sp": args.sp, "dist_opt": args.dist_opt, "recompute": args.recompute,
+            "fused_kernels": _kernels_in_use() and not layout.startswith("transformers")}
+
+
+def _kernels_in_use() -> bool:
+    from hf_megatron.kernels import kernels_available
+    return bool(kernels_available())
 
 
 def main() -> None:

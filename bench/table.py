@@ -17,7 +17,7 @@ def main() -> None:
         vs_anchor = r["tokens_per_s_per_gpu"] / anchor["tokens_per_s_per_gpu"]
         single = singles.get(r["global_batch"])  # scaling against our 1-GPU run at the same global batch
         scaling = r["tokens_per_s"] / (r["gpus"] * single["tokens_per_s"]) if single else float("nan")
-        extras = " ".join(k for k in ("sp", "dist_opt") if r.get(k))
+        extras = " ".join(k for k in ("sp", "dist_opt", "fused_kernels") if r.get(k))
         print(f"| {r['layout']} {extras} | {r['gpus']} | {r['global_batch']} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s_per_gpu']:,.0f} | "
               f"{r['tflops_per_gpu']} | {r['mfu_measured_peak']:.1%} | {r['mfu_datasheet']:.1%} | {vs_anchor:.2f}x | "
               f"{scaling:.2f} | {r['max_mem_gib']} |")
