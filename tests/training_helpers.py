@@ -115,14 +115,16 @@ def training_config(layout: dict, hp: dict = HP, **extra):
                           use_distributed_optimizer=layout.get("zero", False), **{**hp, **extra})
 
 
-def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | None = None, **extra) -> dict:
-    """Train with hf_megatron in the current process group; losses and this rank's weights."""
+def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | None = None,
+            hf_overrides: dict | None = None, **extra) -> dict:
+    """Train with hf_megatron in the current process group; losses and this rank's weights.
+    `hf_overrides` go to the HF config (e.g. dropout), `extra` to TrainingConfig."""
     from hf_megatron.parallel import state
     from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
         train_step
     cfg = training_config(layout, **extra)
     grid = setup_parallel(cfg)
-    chunks = build_model(tiny_hf_model(arch, **layer_kwargs(arch)), cfg)
+    chunks = build_model(tiny_hf_model(arch, **layer_kwargs(arch), **(hf_overrides or {})), cfg)
     if keep_alive is not None:
         keep_alive.append(chunks)  # the pipeline caches schedules by chunk id: no id reuse
     optimizer = build_optimizer(chunks, cfg)

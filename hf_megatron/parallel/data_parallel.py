@@ -16,6 +16,12 @@ whole (largest first onto the least loaded rank, a deterministic order every ran
 identically); each rank runs the optimizer only on its own parameters, then every parameter
 is broadcast from its owner, so all ranks end the step with identical weights.  Since Adam is
 elementwise per parameter, the result is bit-identical to the unsharded optimizer.
+
+Why not torch's DDP / ZeroRedundancyOptimizer: DDP averages (we need a plain sum after the global
+token normalisation) and reduces `.grad` inside every backward, while we accumulate all micro
+batches of a pipeline schedule into fp32 `main_grad` buffers and reduce once; and
+ZeroRedundancyOptimizer shards only the inner optimizer, so the fp32 main weights of a bf16/fp16
+model would stay replicated -- ours live only on the owning rank.
 """
 from __future__ import annotations
 
