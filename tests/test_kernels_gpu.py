@@ -159,7 +159,7 @@ def test_rotary_with_cos_grad_falls_back():
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_model_with_kernels_matches_fallbacks(monkeypatch, arch, dtype, tol):
-    """Tiny Llama (RMSNorm, SwiGLU, rotary) and GPT-2 (LayerNorm) on CUDA: logits and every
+    """Tiny Llama (RMSNorm, SwiGLU, rotary) and GPT-2 (no fused op: its LayerNorm stays PyTorch's) on CUDA: logits and every
     parameter gradient, kernels on vs HF_MEGATRON_KERNELS=0."""
     import hf_megatron
 
