@@ -44,6 +44,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="write the per-step losses as JSON (rank 0)")
     parser.add_argument("--save", default=None, help="Megatron-layout checkpoint folder at the end")
+    parser.add_argument("--save-hf", default=None, help="Hugging Face folder at the end (from_pretrained loads it)")
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -68,6 +69,8 @@ def main():
         accelerator.print(f"step {step + 1:4d}  loss {loss.item():.4f}")
     if args.save:
         accelerator.save_megatron_checkpoint(args.save)
+    if args.save_hf:
+        accelerator.save_pretrained(args.save_hf)
     if args.log_file and accelerator.is_main_process:
         with open(args.log_file, "w") as f:
             json.dump({"losses": losses}, f)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -241,3 +242,24 @@ class Accelerator(accelerate.Accelerator):
         engine = self._engine
         save_checkpoint(save_dir, engine.iteration if iteration is None else iteration, list(engine.chunks),
                         optimizer=engine.optimizer)
+
+    def save_pretrained(self, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
+                        dtype: str | None = None) -> None:
+        """The prepared model as a Hugging Face folder (`AutoModelForCausalLM.from_pretrained` loads
+        it): a Megatron checkpoint of every rank's shard, merged by the converter on rank 0.
+        Every rank calls this."""
+        import shutil
+
+        import torch.distributed as dist
+
+        from ..conversion.convert import megatron_to_hf
+        out_dir = Path(out_dir)
+        scratch = out_dir.with_name(f".{out_dir.name}.megatron")
+        self.save_megatron_checkpoint(scratch)
+        if self.is_main_process:
+            try:
+                megatron_to_hf(scratch, out_dir, dtype=dtype, tokenizer=tokenizer_dir)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+        if dist.is_initialized():
+            dist.barrier()
