@@ -19,11 +19,10 @@ def _batch():
 
 
 def _tp_worker(rank, world):
-    import torch.distributed as dist
-
     import hf_megatron
     from hf_megatron.parallel import random as prandom
     from hf_megatron.parallel import state
+    from hf_megatron.training.trainer import sync_sequence_parallel_grads
 
     state.initialize(tp=world)
     results = {}
@@ -33,9 +32,7 @@ def _tp_worker(rank, world):
             ids, labels = _batch()
             out = model(ids, labels=labels)
             out.loss.backward()
-            for p in model.parameters():  # SP: norm grads come from a sequence shard
-                if getattr(p, "sequence_parallel", False):
-                    dist.all_reduce(p.grad, group=state.tp_group())
+            sync_sequence_parallel_grads(model.parameters())  # SP: norm grads come from a sequence shard
             results[(arch, sp)] = (out.logits, out.loss, local_grads(model))
     prandom.model_parallel_seed(1234)
     with prandom.tp_rng():

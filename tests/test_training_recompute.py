@@ -8,6 +8,9 @@ of one storage counted once, parameters excluded).  Under full recompute the che
 layers save nothing through our hook (torch's checkpoint keeps only each layer's input, which
 we add: s x b x h x 4 bytes per layer).
 """
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +18,13 @@ from hf_megatron.config import ModelConfig
 from hf_megatron.model.gpt import GPTModel
 from tiny import rel_err
 from training_helpers import make_batches, our_run
+
+# the measurement is the benchmark's own (bench/recompute_memory.py), so test and bench agree by construction
+_BENCH = Path(__file__).resolve().parents[1] / "bench" / "recompute_memory.py"
+_spec = importlib.util.spec_from_file_location("recompute_memory", _BENCH)
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+saved_bytes = _bench.saved_bytes
 
 DROPOUT = {"llama": dict(attention_dropout=0.1),
            "gpt2": dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)}
@@ -38,21 +48,6 @@ def test_recompute_gives_identical_losses_and_weights(arch):
     assert base["config"].attention_dropout == 0.1
 
 
-def saved_activation_bytes(model, ids) -> int:
-    storages = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-        return t
-
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(ids, labels=ids, return_logits=False)
-    out.loss.backward()
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 def test_recompute_saves_fewer_activation_bytes():
     b, s, h, heads, layers = 2, 128, 128, 4, 2
     config = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=h, num_layers=layers,
@@ -63,7 +58,7 @@ def test_recompute_saves_fewer_activation_bytes():
         model = GPTModel(config, recompute=mode)
         model.init_weights(0)
         model.train()
-        saved[mode] = saved_activation_bytes(model, ids)
+        saved[mode] = saved_bytes(model, ids)
     saved["full"] += layers * s * b * h * 4  # the checkpointed layer inputs
     probs = b * heads * s * s * 4  # one layer's fp32 attention probabilities
     assert saved["selective"] <= saved[None] - layers * probs  # no attention-core activations kept

@@ -168,13 +168,3 @@ def hf_to_mcore(get: Getter, config: ModelConfig, layers=None) -> Iterator[Pair]
 def mcore_to_hf(get: Getter, config: ModelConfig, layers=None) -> Iterator[Pair]:
     """Yield HF tensors from full megatron-core tensors (`get(mcore_name)`); vocab unpadded by caller."""
     return _lookup(FROM_MCORE, config)(get, config, range(config.num_layers) if layers is None else layers)
-
-
-def strip_hf_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accept both `AutoModelForCausalLM` names and base-model names (no `model.`/`transformer.`)."""
-    if any(k.startswith(("model.", "transformer.")) for k in state_dict):
-        return state_dict
-    out = {}
-    for k, v in state_dict.items():
-        out[("transformer." if k.startswith(("wte.", "wpe.", "h.", "ln_f.")) else "model.") + k] = v
-    return out

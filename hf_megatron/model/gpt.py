@@ -26,7 +26,7 @@ from ..parallel.loss import vocab_parallel_cross_entropy
 from ..parallel.random import replayable, tp_rng
 from .attention import build_attention_mask
 from .block import TransformerLayer
-from .norms import make_norm
+from .norms import RMSNorm, make_norm
 from .rotary import RotaryEmbedding
 
 
@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
                                                      bias=False, sequence_parallel=sp, dtype=dtype, device=device)
         if sp:
             for module in self.modules():
-                if isinstance(module, (nn.LayerNorm,)) or module.__class__.__name__ == "RMSNorm":
+                if isinstance(module, (nn.LayerNorm, RMSNorm)):
                     for p in module.parameters():
                         p.sequence_parallel = True  # grads from a sequence shard: all-reduce over TP
 

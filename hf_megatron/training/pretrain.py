@@ -128,6 +128,11 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(run.tensorboard_dir)
 
+    def save(at: int, loss) -> None:
+        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
+                        extra={"consumed_train_samples": at * gbs, "loss": loss,
+                               "train_tokens": at * gbs * run.seq_length})
+
     batches = _global_batches(train_ds, cfg, iteration * gbs, device, run.seq_length)
     history, last = [], {}
     window_start, window_tokens = time.perf_counter(), 0
@@ -158,15 +163,11 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
             if writer:
                 writer.add_scalar("valid/loss", val, iteration)
         if run.save and run.save_interval and iteration % run.save_interval == 0:
-            save_checkpoint(run.save, iteration, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
-                            extra={"consumed_train_samples": iteration * gbs, "loss": stats["loss"],
-                                   "train_tokens": iteration * gbs * run.seq_length})
+            save(iteration, stats["loss"])
     summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
                "tokens": iteration * gbs * run.seq_length, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
     if run.save and (not run.save_interval or iteration % run.save_interval):
-        save_checkpoint(run.save, iteration, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
-                        extra={"consumed_train_samples": iteration * gbs, "loss": last.get("loss"),
-                               "train_tokens": iteration * gbs * run.seq_length})
+        save(iteration, last.get("loss"))
     if run.save and _is_logger():
         Path(run.save, "training_summary.json").write_text(json.dumps(summary, indent=2))
     if writer:

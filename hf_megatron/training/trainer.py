@@ -156,24 +156,6 @@ def sync_sequence_parallel_grads(params) -> None:
     allreduce_tensors([g for g in grads if g is not None], state.tp_group())
 
 
-def sync_embedding_grads(chunks) -> None:
-    """Tied embeddings across pipeline stages; the fp32 main_grad path when mixed precision."""
-    tied = []
-    if state.get_state().pp > 1 and chunks[0].config.tie_word_embeddings:
-        if chunks[0].pre_process:
-            tied.append(chunks[0].embedding.word_embeddings.weight)
-        if chunks[-1].post_process:
-            tied.append(chunks[-1].output_layer.weight)
-    if not any(getattr(p, "main_grad", None) is not None for p in tied):
-        pipeline.allreduce_embedding_grads(chunks)
-        return
-    # pipeline.allreduce_embedding_grads reduces .grad; mixed precision keeps grads in main_grad
-    group = state.get_state().group("embd")
-    if group is not None:
-        for p in tied:
-            dist.all_reduce(p.main_grad, group=group)
-
-
 def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler | None,
                micro_batches: list[dict]) -> dict[str, Any]:
     """One optimizer step over this rank's micro batches (see the module docstring).
@@ -194,7 +176,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
 
     params = optimizer.model_params
     sync_sequence_parallel_grads(params)
-    sync_embedding_grads(chunks)
+    pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad when mixed precision)
     allreduce_grads(params, grid.group("dp"))
     updated, grad_norm = optimizer.step()
     if updated and scheduler is not None:
