@@ -14,8 +14,7 @@ from typing import Any, Callable
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-class ConfigError(ValueError):
-    """A config we cannot build a model from (unsupported architecture or field)."""
+from .errors import ConfigError  # noqa: E402  (re-exported)
 
 
 @dataclass

@@ -17,8 +17,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing files or is corrupt."""
+from ..errors import CheckpointError  # noqa: E402  (re-exported)
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 
-class ParallelConfigError(ValueError):
-    """The requested degrees do not fit the world size."""
+from ..errors import ParallelConfigError  # noqa: E402  (re-exported)
 
 
 @dataclass
