@@ -66,7 +66,6 @@ def fast_random_init(chunks) -> None:
 
 
 def run_megatron(args) -> dict:
-    from hf_megatron.model.gpt import GPTModel
     from hf_megatron.parallel import state
     from hf_megatron.training import trainer
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -81,17 +80,13 @@ def run_megatron(args) -> dict:
     trainer.setup_parallel(cfg)
     grid = state.get_state()
     model_cfg = model_config(args.model, args.seq)
-    original_init = GPTModel.init_weights
-    GPTModel.init_weights = lambda self, seed=0: None  # random values drawn on the GPU below
-    try:
-        chunks = trainer.build_model(model_cfg, cfg, device=torch.device("cuda", local))
-    finally:
-        GPTModel.init_weights = original_init
+    # random values drawn on the GPU below (a CPU Megatron init of an 8B model takes minutes)
+    chunks = trainer.build_model(model_cfg, cfg, device=torch.device("cuda", local), init=False)
     fast_random_init(chunks)
     optimizer = trainer.build_optimizer(chunks, cfg)
     num_micro = cfg.num_micro_batches(grid.dp)
     gen = torch.Generator(device="cuda").manual_seed(grid.coords["dp"])
-    micro = [{"input_ids": ids, "labels": ids} for ids in
+    micro = [{"input_ids": ids, "targets": ids} for ids in
              (torch.randint(0, model_cfg.vocab_size, (args.mbs, args.seq), device="cuda", generator=gen)
               for _ in range(num_micro))]
     torch.cuda.reset_peak_memory_stats()

@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 bench/gpu_parity.py --tp 2 --sp --dist-opt --out tp2.json
     python bench/gpu_parity.py --compare ref.json tp2.json ...                      # table + verdict
 
-Every layout starts from the same weights (init_weights draws them at full size from one seed)
+Every layout starts from the same weights (each full tensor drawn from its own (seed, name) generator)
 and reads the same global batches.  bf16 tolerance: the per-step loss may differ from the
 single-GPU run by 1% relative -- bf16 has an 8-bit mantissa (relative rounding 2^-9 ~ 0.2%),
 and TP/PP/DP change the order of reductions, so per-step differences of a few 0.1% are rounding,
@@ -46,11 +46,11 @@ def run(args) -> None:
     chunks = trainer.build_model(model_cfg, cfg, device=torch.device("cuda", local))
     optimizer = trainer.build_optimizer(chunks, cfg)
     scheduler = trainer.build_scheduler(optimizer, cfg)
-    data = torch.randint(0, 1000, (args.steps, 8, 128), generator=torch.Generator().manual_seed(0))
+    data = torch.randint(0, 1000, (args.steps, 8, 129), generator=torch.Generator().manual_seed(0))
     losses = []
     for step in range(args.steps):
         stats = trainer.train_step(chunks, optimizer, scheduler, trainer.split_batch({
-            "input_ids": data[step].cuda(), "labels": data[step].cuda()}, cfg))
+            "input_ids": data[step, :, :-1].cuda(), "targets": data[step, :, 1:].cuda()}, cfg))
         losses.append(stats["loss"])
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = f"tp{args.tp} pp{args.pp} dp{grid.dp}" + (f" vpp{args.vpp}" if args.vpp else "")

@@ -19,7 +19,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from hf_megatron.config import ModelConfig
-from hf_megatron.model.gpt import GPTModel
+from hf_megatron.loading import build_model
 
 
 def saved_bytes(model, ids) -> int:
@@ -65,8 +65,7 @@ def main() -> None:
                              num_layers=args.layers, num_attention_heads=args.heads, ffn_hidden_size=3 * args.hidden,
                              attention_dropout=dropout)
         for mode in (None, "selective", "full"):
-            model = GPTModel(config, recompute=mode)
-            model.init_weights(0)
+            model = build_model(config, recompute=mode, seed=0)
             model.train()
             saved = saved_bytes(model, ids)
             if mode == "full":

@@ -1,49 +1,138 @@
-"""`hf_megatron.from_pretrained`: a transformers model (object, folder or Hub id) -> GPTModel.
+"""Build this rank's model: plain GPTModel on meta -> pipeline chunk -> TP -> recompute -> weights.
 
-Weights go through the same per-architecture mapping the converters use
-(`hf_megatron.conversion.mappings`), then are sharded for this rank's TP/PP position.
+    with torch.device("meta"):
+        whole = GPTModel(config, dtype)                             # full shapes, no memory
+    chunk = split_module(whole, index, pp * vpp, layers_per_stage)   # this chunk's layers only
+    parallelize(chunk, plan_for(config), tp_group, sequence_parallel)  # this rank's shards
+    apply_recompute(chunk, recompute)
+    chunk.to_empty(device=device); load weights                       # pretrained or Megatron init
+
+Weights arrive as *full* megatron-core tensors (from a transformers checkpoint through the
+architecture's mapping, from a Megatron checkpoint, or drawn by `model.init`), one at a time,
+and each is cut to this rank's shard by the same plan that built the modules.
+
+`hf_megatron.from_pretrained(source)` is this for one stage; `build_model_chunks` gives a
+pipeline rank its (virtual) chunks.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
+from torch import nn
 
+from .architectures import plan_for
 from .config import ModelConfig
 from .conversion.mappings import hf_to_mcore
+from .errors import CheckpointError
 from .model.gpt import GPTModel
+from .model.init import init_tensor
+from .parallel import state
+from .parallel.parallelize import parallelize
+from .parallel.pipeline import split_module
+from .parallel.recompute import apply_recompute
+from .parallel.sharding import load_full_weights
+
+_GRID = object()  # default tensor-parallel group: the one of the process's rank grid
 
 
-def _source(name_or_path_or_model: Any):
-    """(hf config dict, get(name) -> tensor) for a model object, a folder or a repo id."""
-    if isinstance(name_or_path_or_model, torch.nn.Module) and hasattr(name_or_path_or_model, "config"):
-        state_dict = name_or_path_or_model.state_dict()
-        if getattr(name_or_path_or_model.config, "tie_word_embeddings", False):
+def _hf_source(source: Any) -> tuple[dict, Callable[[str], torch.Tensor]]:
+    """(hf config dict, get(name) -> tensor) for a transformers model object, a folder or a repo id."""
+    if isinstance(source, nn.Module) and hasattr(source, "config"):
+        state_dict = source.state_dict()
+        if getattr(source.config, "tie_word_embeddings", False):
             state_dict.pop("lm_head.weight", None)
 
         def get(name):
             try:
                 return state_dict[name].detach()
             except KeyError:
-                raise KeyError(f"the given model has no tensor {name!r}") from None
+                raise CheckpointError(f"the given model has no tensor {name!r}") from None
 
-        return name_or_path_or_model.config.to_dict(), get
+        return source.config.to_dict(), get
     from .conversion.hf_io import HFCheckpoint
-    checkpoint = HFCheckpoint(name_or_path_or_model)
+    checkpoint = HFCheckpoint(source)
     return checkpoint.config, checkpoint.get
 
 
-def from_pretrained(name_or_path_or_model: Any, *, dtype: torch.dtype | None = None, device=None,
-                    **model_kwargs: Any) -> GPTModel:
-    """Build a GPTModel with the pretrained weights of a transformers causal LM.
+def model_config(source: Any) -> ModelConfig:
+    """The ModelConfig of a source (a ModelConfig, a transformers model, folder or Hub id)."""
+    return source if isinstance(source, ModelConfig) else ModelConfig.from_hf(_hf_source(source)[0])
 
-    `model_kwargs` go to GPTModel (`sequence_parallel`, `recompute`, `pre_process`,
-    `post_process`, `layer_offset`, `num_layers`).  Call `hf_megatron.parallel.initialize`
-    first for tensor/pipeline parallelism; each rank then loads only its shard.
-    """
-    hf_config, get = _source(name_or_path_or_model)
-    config = ModelConfig.from_hf(hf_config)
-    model = GPTModel(config, dtype=dtype, device=device, **model_kwargs)
-    layers = range(model.layer_offset, model.layer_offset + model.num_layers)
-    model.load_full_state_dict(dict(hf_to_mcore(get, config, layers)))
+
+def init_pairs(model: nn.Module, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """Megatron-style initial full tensors for the parameters `model` holds (a tied output-layer
+    copy is drawn as the embedding it copies)."""
+    config = model.config
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPTModel(config).state_dict().items()}
+    for name, _ in model.named_parameters():
+        if name == "output_layer.weight" and config.tie_word_embeddings:
+            name = "embedding.word_embeddings.weight"
+        yield name, init_tensor(name, tuple(shapes[name]), config, seed)
+
+
+PARAM_TAGS = ("tensor_parallel_dim", "sequence_parallel")  # set by parallelize, read by the optimizer
+
+
+def materialise(model: nn.Module, device) -> None:
+    """Allocate a meta-device model's tensors on `device` (values unset), keeping the parameter
+    tags that `to_empty` would drop along with the old Parameter objects."""
+    tags = {name: {t: getattr(p, t) for t in PARAM_TAGS if hasattr(p, t)} for name, p in model.named_parameters()}
+    model.to_empty(device=device)
+    for name, p in model.named_parameters():
+        for tag, value in tags[name].items():
+            setattr(p, tag, value)
+
+
+def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
+                tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
+                dtype: torch.dtype | None = None, device=None, seed: int = 1234, init: bool = True) -> GPTModel:
+    """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
+
+    `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
+    `init=False` leaves them unset, for a caller that fills them itself) or a transformers model /
+    folder / Hub id (its pretrained weights)."""
+    config = model_config(source)
+    with torch.device("meta"):
+        whole = GPTModel(config, dtype=dtype)
+    model = split_module(whole, stage, num_stages, layers_per_stage) if num_stages > 1 else whole
+    if model.output_layer is not None and model.output_layer.weight is None and model.embedding is None:
+        # tied embeddings on a last stage without the embedding: it holds its own copy, kept equal
+        # to the first stage's by the pipeline's embedding-group gradient all-reduce (as Megatron)
+        model.output_layer.weight = nn.Parameter(torch.empty_like(whole.embedding.word_embeddings.weight))
+    parallelize(model, plan_for(config), state.tp_group() if tp_group is _GRID else tp_group, sequence_parallel)
+    apply_recompute(model, recompute)
+    materialise(model, device or "cpu")
+    if isinstance(source, ModelConfig):
+        if init:
+            load_full_weights(model, init_pairs(model, seed))
+    else:
+        _, get = _hf_source(source)
+        load_full_weights(model, hf_to_mcore(get, config, model.layer_numbers))
+    model.activation_dtype = dtype or torch.get_default_dtype()  # what flows between pipeline stages
     return model
+
+
+def from_pretrained(name_or_path_or_model: Any, *, dtype: torch.dtype | None = None, device=None,
+                    **kwargs: Any) -> GPTModel:
+    """A GPTModel with the pretrained weights of a transformers causal LM (object, folder or Hub id).
+
+    Keyword arguments go to `build_model` (`sequence_parallel`, `recompute`, `tp_group`, `stage`,
+    `num_stages`, `layers_per_stage`).  After `hf_megatron.parallel.initialize(tp=...)` the model is
+    tensor-parallel over the process grid's TP group and each rank loads only its shard."""
+    return build_model(name_or_path_or_model, dtype=dtype, device=device, **kwargs)
+
+
+def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int] | None = None,
+                       **kwargs: Any) -> list[GPTModel]:
+    """This pipeline rank's model chunks: chunk v is model chunk v * pp + pp_rank of pp * vpp
+    (Megatron's interleaved assignment).  Keyword arguments go to `build_model`."""
+    if vpp < 1:
+        raise ValueError(f"virtual pipeline size must be >= 1, got {vpp}")
+    grid = state.get_state()
+    pp, pp_rank = grid.pp, grid.coords["pp"]
+    if vpp > 1 and pp == 1:
+        raise ValueError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1")
+    return [build_model(source, stage=v * pp + pp_rank, num_stages=pp * vpp, layers_per_stage=layers_per_stage,
+                        **kwargs) for v in range(vpp)]

@@ -10,7 +10,7 @@ from hf_megatron.parallel import state
 from hf_megatron.training.checkpoint import load_checkpoint, save_checkpoint
 from hf_megatron.training.trainer import (TrainingConfig, build_model, build_optimizer, build_scheduler,
                                           setup_parallel, split_batch, train_step)
-from tiny import VOCAB, tiny_config
+from tiny import VOCAB, engine_batch, tiny_config
 
 STEPS, SAVE_AT = 4, 2
 
@@ -47,7 +47,7 @@ def run_and_resume(cfg: TrainingConfig, config: ModelConfig, save_dir) -> tuple[
 
     def train(objects, steps):
         chunks, optimizer, scheduler = objects
-        return [train_step(chunks, optimizer, scheduler, split_batch(b, cfg))["loss"] for b in steps]
+        return [train_step(chunks, optimizer, scheduler, split_batch(engine_batch(b), cfg))["loss"] for b in steps]
 
     uninterrupted = train(fresh(cfg.seed), data)
     first = fresh(cfg.seed)

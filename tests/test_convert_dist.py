@@ -40,7 +40,7 @@ def _mcore_model(config, pp_rank):
 def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
     import torch.distributed as dist
     from hf_megatron.conversion.megatron_ckpt import open_megatron
-    from hf_megatron.model.gpt import GPTModel
+    from hf_megatron.loading import build_model
     from hf_megatron.parallel import state
     from hf_megatron.training.checkpoint import load_checkpoint, save_checkpoint
 
@@ -49,8 +49,7 @@ def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
     logits, iterations = {}, {}
     for arch, folder in megatron_dirs.items():
         config = open_megatron(folder).config
-        model = GPTModel(config, pre_process=pp_rank == 0, post_process=pp_rank == 1, layer_offset=pp_rank,
-                         num_layers=1).eval()
+        model = build_model(config, stage=pp_rank, num_stages=2).eval()
         iterations[arch] = load_checkpoint(folder, model)
         with torch.no_grad():
             if pp_rank == 0:

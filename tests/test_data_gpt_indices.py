@@ -125,9 +125,9 @@ def test_partial_validation_window_kept_and_padded(corpora, tmp_path, seq):
     window = ref[last]["tokens"].numpy()
     pad = ref[last]["loss_mask"].numpy() == 0  # megatron-core masks the padding out of the loss
     assert pad.any()
-    labels = batches[last]["labels"][0].numpy()[1:]  # the model scores labels[1:]
-    assert (labels[pad] == -100).all() and (labels[~pad] == ref[last]["labels"].numpy()[~pad]).all()
-    assert (batches[last]["input_ids"][0].numpy()[:-1][~pad] == window[~pad]).all()
+    targets = batches[last]["targets"][0].numpy()  # aligned: token t is scored against targets[t]
+    assert (targets[pad] == -100).all() and (targets[~pad] == ref[last]["labels"].numpy()[~pad]).all()
+    assert (batches[last]["input_ids"][0].numpy()[~pad] == window[~pad]).all()
 
 
 @pytest.mark.parametrize("path", ["compiled", "python"])

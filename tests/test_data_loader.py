@@ -45,11 +45,11 @@ def test_batches_slice_global_order_and_resume(train_set):
     step = 0
     for rank_batches in zip(*per_rank):
         global_batch = torch.cat([b["input_ids"] for b in rank_batches])
-        expected = torch.from_numpy(np.stack([train_set[k] for k in range(step, step + mbs * dp)]))
-        assert torch.equal(global_batch, expected)
+        windows = torch.from_numpy(np.stack([train_set[k] for k in range(step, step + mbs * dp)]))
+        assert torch.equal(global_batch, windows[:, :-1])
+        assert torch.equal(torch.cat([b["targets"] for b in rank_batches]), windows[:, 1:])
         for b in rank_batches:
-            assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (mbs, 13)
-            assert torch.equal(b["labels"], b["input_ids"])
+            assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (mbs, 12)
         step += mbs * dp
     assert step == len(train_set) // (mbs * dp) * mbs * dp
     resumed = list(batch_iterator(train_set, mbs, 1, dp, consumed_samples=4 * mbs * dp))
@@ -58,17 +58,19 @@ def test_batches_slice_global_order_and_resume(train_set):
 
 
 def test_full_window_gives_megatron_targets_through_transformers_loss(train_set):
-    """input_ids = labels = the seq+1 window: our model's HF-shifted loss equals Megatron's
-    loss (inputs window[:-1], targets window[1:]) computed with transformers."""
+    """The seq+1 window as input_ids = window[:-1], targets = window[1:]: our model's loss
+    equals Megatron's loss (inputs window[:-1], targets window[1:]) computed with transformers,
+    over exactly seq_length targets per sample."""
     import hf_megatron
     from tiny import tiny_hf_model
 
     hf_model = tiny_hf_model("gpt2")
     model = hf_megatron.from_pretrained(hf_model)
     batch = next(batch_iterator(train_set, 2, 0, 1))
-    out = model(batch["input_ids"], labels=batch["labels"])
-    logits = hf_model(batch["input_ids"][:, :-1]).logits
-    megatron_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten())
+    window = torch.cat([batch["input_ids"], batch["targets"][:, -1:]], dim=1)
+    out = model(batch["input_ids"], targets=batch["targets"])
+    logits = hf_model(window[:, :-1]).logits
+    megatron_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
     assert int(out.num_tokens) == 2 * train_set.seq_length
     assert abs(out.loss.item() - megatron_loss.item()) <= 1e-5 * abs(megatron_loss.item())
 

@@ -9,9 +9,9 @@ import torch.distributed as dist
 
 import hf_megatron
 from dist import run_distributed
-from hf_megatron.conversion.layout import to_global_name
+from hf_megatron.loading import build_model, build_model_chunks
 from hf_megatron.parallel import pipeline, state
-from tiny import VOCAB, hf_grads_from_mcore, merge_shards, rel_err, tiny_hf_model
+from tiny import VOCAB, engine_batches, hf_grads_from_mcore, merge_shards, rel_err, tiny_hf_model
 
 TOL = 1e-5
 LAYERS = 4  # interleaving needs pp * vpp = 4 model chunks
@@ -58,7 +58,7 @@ def global_tensors(chunks, kind):
         for name, p in chunk.named_parameters():
             tensor = getattr(p, kind, None)
             if tensor is not None:
-                result[to_global_name(name, chunk.layer_offset)] = tensor.clone()
+                result[name] = tensor.clone()  # names carry global layer numbers
     return result
 
 
@@ -69,11 +69,11 @@ def pipeline_worker(rank, world, tp, pp, cases):
     for arch, vpp, layers, gpt_kwargs in cases:
         torch.manual_seed(0)
         hf = hf_model(arch)
-        chunks = pipeline.build_model_chunks(hf, vpp=vpp, layers_per_stage=layers, **gpt_kwargs)
+        chunks = build_model_chunks(hf, vpp=vpp, layers_per_stage=layers, **gpt_kwargs)
         mbs = micro_batches()
-        evaluated = pipeline.forward_backward(chunks, mbs, forward_only=True)
+        evaluated = pipeline.forward_backward(chunks, engine_batches(mbs), forward_only=True)
         assert all(p.grad is None for c in chunks for p in c.parameters())
-        out = pipeline.forward_backward(chunks, mbs, loss_scale=LOSS_SCALE)
+        out = pipeline.forward_backward(chunks, engine_batches(mbs), loss_scale=LOSS_SCALE)
         pipeline.allreduce_embedding_grads(chunks)
         for chunk in chunks:  # sequence parallel: norm grads come from a sequence shard each
             for p in chunk.parameters():
@@ -84,18 +84,18 @@ def pipeline_worker(rank, world, tp, pp, cases):
     if tp == 1:
         # fresh weights from a ModelConfig: the same as one process's init (compared in the parent)
         config = hf_megatron.ModelConfig.from_hf(hf_model("gpt2").config)
-        chunks = pipeline.build_model_chunks(config, vpp=2, seed=99)
+        chunks = build_model_chunks(config, vpp=2, seed=99)
         results.append({"coords": dict(grid.coords), "weight": global_tensors(chunks, "data")})
         # interleaving with a micro-batch count that is not a multiple of pp: clear error
         with pytest.raises(ValueError, match="multiple of the pipeline size"):
-            pipeline.forward_backward(chunks, micro_batches(3))
+            pipeline.forward_backward(chunks, engine_batches(micro_batches(3)))
         # fewer micro batches than stages (torch's 1F1B refuses: GPipe order, as Megatron's 1F1B)
-        chunks = pipeline.build_model_chunks(hf_model("llama"))
+        chunks = build_model_chunks(hf_model("llama"))
         unmasked = [{"input_ids": mb["input_ids"], "labels": mb["labels"]} for mb in micro_batches(1)]
-        results.append(pipeline.forward_backward(chunks, unmasked, loss_scale=LOSS_SCALE))
+        results.append(pipeline.forward_backward(chunks, engine_batches(unmasked), loss_scale=LOSS_SCALE))
         # bf16 activations travel between stages as bf16
-        chunks = pipeline.build_model_chunks(hf_model("gpt2"), dtype=torch.bfloat16)
-        out = pipeline.forward_backward(chunks, micro_batches(), loss_scale=LOSS_SCALE)
+        chunks = build_model_chunks(hf_model("gpt2"), dtype=torch.bfloat16)
+        out = pipeline.forward_backward(chunks, engine_batches(micro_batches()), loss_scale=LOSS_SCALE)
         for p in chunks[0].parameters():  # the mixed-precision optimizer's fp32 accumulators
             p.main_grad, p.grad = p.grad.float(), None
         pipeline.allreduce_embedding_grads(chunks)  # reduces main_grad where present
@@ -150,8 +150,7 @@ def test_pp2_1f1b_interleaved_uneven_match_transformers():
     for rank_results in per_rank:
         fresh.update(rank_results[len(PP2_CASES)]["weight"])
     config = hf_megatron.ModelConfig.from_hf(hf_model("gpt2").config)
-    single = hf_megatron.GPTModel(config)
-    single.init_weights(99)
+    single = build_model(config, seed=99)
     expected = single.state_dict()
     expected["output_layer.weight"] = expected["embedding.word_embeddings.weight"]  # tied: last stage's copy
     assert set(fresh) == set(expected)
@@ -169,7 +168,7 @@ def test_pp2_1f1b_interleaved_uneven_match_transformers():
     # (norm weights) and the tied embedding's two gradients summed after, not during, the micro
     # batches: a few bf16 ulps (2^-8 relative each)
     single = hf_megatron.from_pretrained(hf_model("gpt2"), dtype=torch.bfloat16)
-    ref = pipeline.forward_backward([single], micro_batches(), loss_scale=LOSS_SCALE)
+    ref = pipeline.forward_backward([single], engine_batches(micro_batches()), loss_scale=LOSS_SCALE)
     for rank_results in per_rank:
         out = rank_results[len(PP2_CASES) + 2]["out"]
         assert abs(out["loss_sum"].item() - ref["loss_sum"].item()) <= 1e-3 * ref["loss_sum"].item()
@@ -194,11 +193,11 @@ def test_tp2_pp2_matches_transformers():
 
 def test_pp1_is_a_plain_loop_over_one_full_model():
     hf = hf_model("gpt2")
-    chunks = pipeline.build_model_chunks(hf)
+    chunks = build_model_chunks(hf)
     assert len(chunks) == 1 and chunks[0].pre_process and chunks[0].post_process
-    assert chunks[0].num_layers == LAYERS
+    assert len(chunks[0].layer_numbers) == LAYERS
     mbs = micro_batches(2)
-    out = pipeline.forward_backward(chunks, mbs, loss_scale=LOSS_SCALE)
+    out = pipeline.forward_backward(chunks, engine_batches(mbs), loss_scale=LOSS_SCALE)
     pipeline.allreduce_embedding_grads(chunks)  # no-op without pipeline stages
     ref_loss, ref_tokens, ref_grads, _ = hf_reference("gpt2", mbs)
     assert int(out["num_tokens"]) == ref_tokens
@@ -209,6 +208,6 @@ def test_pp1_is_a_plain_loop_over_one_full_model():
     for name, grad in ref_grads.items():
         assert rel_err(ours[name], grad) <= TOL, name
     with pytest.raises(ValueError, match="virtual pipeline size 2 needs"):
-        pipeline.build_model_chunks(hf, vpp=2)
+        build_model_chunks(hf, vpp=2)
     with pytest.raises(ValueError, match="'attention_mask' must be given in every micro batch"):
-        pipeline.forward_backward(chunks, [mbs[0], {"input_ids": mbs[1]["input_ids"], "labels": mbs[1]["labels"]}])
+        pipeline.forward_backward(chunks, engine_batches([mbs[0], {"input_ids": mbs[1]["input_ids"], "labels": mbs[1]["labels"]}]))

@@ -127,12 +127,8 @@ def test_rank_grid_is_megatron_order():
 
 
 def test_tp_larger_than_query_groups_is_a_clear_error():
-    from hf_megatron.parallel import state
+    import hf_megatron
+    from hf_megatron.parallel.parallelize import check_tensor_parallel
 
     with pytest.raises(ValueError, match="num_query_groups .*=2 is not divisible by tensor parallel size 4"):
-        state.set_state(state.ParallelState(tp=4))
-        try:
-            import hf_megatron
-            hf_megatron.GPTModel(hf_megatron.ModelConfig.from_hf(tiny_hf_model("llama").config))
-        finally:
-            state.reset()
+        check_tensor_parallel(hf_megatron.ModelConfig.from_hf(tiny_hf_model("llama").config), 4)

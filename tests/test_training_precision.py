@@ -18,7 +18,7 @@ def test_bf16_trains_like_fp32_with_fp32_main_weights():
     ref_losses, _, _ = reference_run("llama", batches, **layer_kwargs("llama"))
     from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
         train_step
-    from tiny import tiny_hf_model
+    from tiny import engine_batch, tiny_hf_model
     from training_helpers import training_config
     cfg = training_config({}, bf16=True)
     setup_parallel(cfg)
@@ -29,7 +29,7 @@ def test_bf16_trains_like_fp32_with_fp32_main_weights():
     assert all(m.dtype == torch.float32 for m in optimizer.main_params)
     losses = []
     for step, batch in enumerate(batches):
-        stats = train_step(chunks, optimizer, scheduler, split_batch(batch, cfg))
+        stats = train_step(chunks, optimizer, scheduler, split_batch(engine_batch(batch), cfg))
         assert not stats["skipped"] and stats["loss_scale"] == 1.0
         losses.append(stats["loss"])
         if step == 0:  # micro-batch gradients were accumulated into fp32 buffers
@@ -46,7 +46,7 @@ def fp16_with_injected_inf(rank, world, batches, inf_step):
     """dp=2, fp16; rank 1 alone gets an inf gradient at `inf_step`."""
     from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
         train_step
-    from tiny import tiny_hf_model
+    from tiny import engine_batch, tiny_hf_model
     from training_helpers import training_config
     cfg = training_config({"dp": 2}, fp16=True, initial_loss_scale=2.0 ** 12, hysteresis=1, loss_scale_window=2,
                           lr_warmup_iters=0)
@@ -61,7 +61,7 @@ def fp16_with_injected_inf(rank, world, batches, inf_step):
     for step, batch in enumerate(batches):
         step_now[0] = step
         before = [p.detach().clone() for p in optimizer.model_params]
-        stats = train_step(chunks, optimizer, scheduler, split_batch(batch, cfg))
+        stats = train_step(chunks, optimizer, scheduler, split_batch(engine_batch(batch), cfg))
         changed = any(not torch.equal(b, p) for b, p in zip(before, optimizer.model_params))
         out.append({**stats, "changed": changed, "scale_after": optimizer.loss_scale,
                     "dtype": str(victim.dtype)})

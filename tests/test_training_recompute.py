@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hf_megatron.config import ModelConfig
-from hf_megatron.model.gpt import GPTModel
+from hf_megatron.loading import build_model
 from tiny import rel_err
 from training_helpers import make_batches, our_run
 
@@ -55,8 +55,7 @@ def test_recompute_saves_fewer_activation_bytes():
     ids = torch.randint(0, 1000, (b, s), generator=torch.Generator().manual_seed(0))
     saved = {}
     for mode in (None, "selective", "full"):
-        model = GPTModel(config, recompute=mode)
-        model.init_weights(0)
+        model = build_model(config, recompute=mode, seed=0)
         model.train()
         saved[mode] = saved_bytes(model, ids)
     saved["full"] += layers * s * b * h * 4  # the checkpointed layer inputs

@@ -63,3 +63,16 @@ def local_grads(model) -> dict[str, torch.Tensor]:
 def merge_shards(per_rank: list[dict[str, torch.Tensor]], config) -> dict[str, torch.Tensor]:
     """TP-rank dicts of local tensors -> full tensors (vocab padding removed)."""
     return {name: merge_tensor(name, [d[name] for d in per_rank], config) for name in per_rank[0]}
+
+
+def engine_batch(mb: dict) -> dict:
+    """A transformers-style micro batch (labels, shifted by the model) as the training engine
+    takes it: aligned targets (token t scored against targets[t])."""
+    from hf_megatron.model.gpt import shift_labels
+    out = {k: v for k, v in mb.items() if k != "labels"}
+    out["targets"] = shift_labels(mb["labels"])
+    return out
+
+
+def engine_batches(mbs: list[dict]) -> list[dict]:
+    return [engine_batch(mb) for mb in mbs]

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_megatron.conversion.layout import to_global_name
 from hf_megatron.conversion.mappings import mcore_to_hf
-from tiny import VOCAB, merge_shards, tiny_hf_model
+from tiny import VOCAB, engine_batch, merge_shards, tiny_hf_model
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 20, 8, 2, 16
 HP = dict(lr=3e-3, min_lr=3e-4, lr_warmup_iters=3, lr_decay_iters=STEPS, lr_decay_style="cosine",
@@ -66,11 +65,10 @@ def reference_run(arch: str, batches: list[dict], hp: dict = HP, **overrides):
 
 
 def global_state_dict(chunks) -> dict[str, torch.Tensor]:
-    """This rank's chunk weights under global layer numbers (fp32 copies)."""
+    """This rank's chunk weights (names carry global layer numbers; fp32 copies)."""
     out = {}
     for chunk in chunks:
         for name, tensor in chunk.state_dict().items():
-            name = to_global_name(name, chunk.layer_offset)
             if name == "output_layer.weight" and chunk.config.tie_word_embeddings:
                 name = "output_layer.weight(tied copy)"
             out[name] = tensor.detach().float().clone()
@@ -129,7 +127,7 @@ def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | Non
         keep_alive.append(chunks)  # the pipeline caches schedules by chunk id: no id reuse
     optimizer = build_optimizer(chunks, cfg)
     scheduler = build_scheduler(optimizer, cfg)
-    stats = [train_step(chunks, optimizer, scheduler, split_batch(b, cfg)) for b in batches]
+    stats = [train_step(chunks, optimizer, scheduler, split_batch(engine_batch(b), cfg)) for b in batches]
     state_numel = sum(v["exp_avg"].numel() for v in optimizer.optimizer.state.values())
     result = {"losses": [s["loss"] for s in stats], "stats": stats, "state": global_state_dict(chunks),
               "adam_state_numel": state_numel, "param_numel": sum(p.numel() for p in optimizer.model_params),

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from .hf_io import CheckpointError
-from .layout import merge_tensor
+from ..parallel.sharding import load_full_weights, merge_tensor
 from .legacy import model_state_to_mcore
 from .megatron_args import config_from_args
 from .megatron_files import MODEL_FILE, rank_dir_name, resolve_iteration_dir, safe_load, saved_layout
@@ -138,7 +138,7 @@ def load_megatron_weights(model, path: str | os.PathLike, iteration: int | None 
             if getattr(ours, f) != getattr(theirs, f)]
     if diff:
         raise CheckpointError(f"{ckpt.folder}: checkpoint does not match the model ({'; '.join(diff)})")
-    layers = range(model.layer_offset, model.layer_offset + model.num_layers)
+    layers = set(model.layer_numbers)
     wanted = [n for n in ckpt.names() if not (m := _LAYER.match(n)) or int(m.group(1)) in layers]
-    model.load_full_state_dict({n: ckpt.get(n) for n in wanted})
+    load_full_weights(model, ((n, ckpt.get(n)) for n in wanted))
     return ckpt

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from ..model.gpt import GPTModel
+from ..parallel.sharding import load_full_weights
+
 PROMPT_LEN = 16
 DEFAULT_TOL = 1e-4
 
@@ -60,16 +63,9 @@ def hf_logits(folder: str | Path, ids: torch.Tensor, round_to: torch.dtype | Non
 @torch.no_grad()
 def megatron_logits(checkpoint, ids: torch.Tensor, round_to: torch.dtype | None = None) -> torch.Tensor:
     """Logits of our single-process GPTModel holding a Megatron checkpoint's merged weights."""
-    from ..model.gpt import GPTModel
-    from ..parallel import state
-    saved = state.get_state()
-    state.reset()
-    try:
-        model = GPTModel(checkpoint.config, dtype=torch.float32)
-        model.load_full_state_dict(checkpoint.full_state_dict())  # load_state_dict casts to fp32
-        return _round(model.eval(), round_to)(ids).logits.float()
-    finally:
-        state.set_state(saved)
+    model = GPTModel(checkpoint.config, dtype=torch.float32)  # plain: no process group involved
+    load_full_weights(model, checkpoint.full_state_dict().items())  # copy_ casts to fp32
+    return _round(model.eval(), round_to)(ids).logits.float()
 
 
 def compare(source: torch.Tensor, converted: torch.Tensor, tol: float = DEFAULT_TOL) -> VerifyResult:

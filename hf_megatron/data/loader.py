@@ -6,20 +6,18 @@ takes the slice ``[r*mbs, (r+1)*mbs)`` of it (MegatronPretrainingSampler).  Resu
 ``consumed_samples`` (the number of samples all ranks together have consumed) continues the same
 sequence, so a restarted run sees exactly the batches the uninterrupted one would have seen.
 
-Token windows and the HF shift: a Megatron sample is ``seq_length + 1`` tokens ``w``; Megatron
-trains on inputs ``w[:-1]`` against targets ``w[1:]``.  Our GPTModel follows transformers and
-shifts internally (logits at position ``t`` are scored against ``labels[t+1]``), so we yield
-``input_ids = labels = w`` (all ``seq_length + 1`` tokens).  The model then scores exactly
-Megatron's ``seq_length`` targets per sample and every corpus token is a target once per epoch;
-the last position's logits are unused (one extra position of compute).  The length seen by the
-model is therefore ``seq_length + 1``: with sequence/context parallelism pick ``seq_length`` so that
-``seq_length + 1`` divides evenly, or build the datasets with ``add_extra_token=False`` (windows
-of exactly ``seq_length`` tokens, Megatron's ``add_extra_token_to_sequence=False``; the model then
-scores ``seq_length - 1`` targets per sample).  Padding past the end of a partial window has
-input id 0 and label -100 (ignored by the loss).
+Token windows and the shift: a Megatron sample is a window ``w`` of ``seq_length + 1`` tokens;
+it trains on inputs ``w[:-1]`` against targets ``w[1:]``.  The shift happens here, once: we yield
+``input_ids = w[:-1]`` and aligned ``targets = w[1:]`` (the model scores token t against
+targets[t]), so a sample scores exactly ``seq_length`` targets and the model sees ``seq_length``
+positions (divisible as sequence parallelism wants).  With ``add_extra_token=False`` datasets
+(windows of exactly ``seq_length`` tokens, Megatron's ``add_extra_token_to_sequence=False``) the
+inputs are the whole window and the last target is -100, as megatron-core's loss mask has it.
+Padding past the end of a partial window has input id 0 and target -100 (not scored).
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterator
 
 import numpy as np
@@ -62,22 +60,31 @@ class MegatronPretrainingSampler:
                 yield mine
 
 
-def collate_windows(windows: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """Stack token windows into {"input_ids", "labels"} (see the module docstring)."""
+def collate_windows(windows: list[np.ndarray], extra_token: bool = True) -> dict[str, torch.Tensor]:
+    """Stack token windows into aligned {"input_ids", "targets"} (see the module docstring)."""
     tokens = torch.from_numpy(np.stack(windows))
     pad = tokens == PAD
-    return {"input_ids": tokens.masked_fill(pad, 0), "labels": tokens.masked_fill(pad, -100)}
+    ids, targets = tokens.masked_fill(pad, 0), tokens.masked_fill(pad, -100)
+    if extra_token:
+        return {"input_ids": ids[:, :-1], "targets": targets[:, 1:]}
+    return {"input_ids": ids, "targets": torch.cat([targets[:, 1:], targets.new_full((len(windows), 1), -100)], 1)}
+
+
+def _extra_token(dataset) -> bool:
+    """Whether the dataset's windows hold seq_length + 1 tokens (a blend: its parts')."""
+    parts = getattr(dataset, "datasets", None)
+    return bool(getattr(parts[0] if parts else dataset, "extra", 1))
 
 
 def batch_iterator(dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                    consumed_samples: int = 0, num_workers: int = 0, drop_last: bool = True
                    ) -> Iterator[dict[str, torch.Tensor]]:
-    """This rank's micro batches {"input_ids": LongTensor[b, L], "labels": LongTensor[b, L]} with
-    ``L = seq_length + 1`` (labels == input_ids; the model shifts), starting after
-    ``consumed_samples`` global samples.  ``num_workers > 0`` reads in DataLoader workers."""
+    """This rank's micro batches {"input_ids": LongTensor[b, s], "targets": LongTensor[b, s]}
+    (``s = seq_length``, targets aligned), starting after ``consumed_samples`` global samples.
+    ``num_workers > 0`` reads in DataLoader workers."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                          dp_rank, dp_size, drop_last)
+    collate = functools.partial(collate_windows, extra_token=_extra_token(dataset))
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=collate_windows, pin_memory=False,
-                                         persistent_workers=False)
+                                         collate_fn=collate, pin_memory=False, persistent_workers=False)
     return iter(loader)

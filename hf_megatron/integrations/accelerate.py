@@ -43,6 +43,7 @@ import accelerate
 import torch
 from torch import nn
 
+from ..model.gpt import shift_labels
 from ..parallel import state
 from ..training import trainer
 
@@ -121,10 +122,11 @@ class MegatronEngine(nn.Module):
             if "attention_mask" in batch:
                 labels = labels.masked_fill(batch["attention_mask"] == 0, -100)
             batch["labels"] = labels
+        batch["targets"] = shift_labels(batch.pop("labels"))  # transformers' labels -> aligned targets, once
         size = batch["input_ids"].shape[0]
         if size % self.num_micro_batches:
             raise ValueError(f"batch of {size} samples is not divisible by num_micro_batches={self.num_micro_batches}")
-        keep = ("input_ids", "labels", "attention_mask", "position_ids")
+        keep = ("input_ids", "targets", "attention_mask", "position_ids")
         parts = {k: v.chunk(self.num_micro_batches) for k, v in batch.items() if k in keep}
         return [{k: v[i] for k, v in parts.items()} for i in range(self.num_micro_batches)]
 

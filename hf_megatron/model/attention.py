@@ -2,20 +2,17 @@
 
 linear_qkv's output rows are ordered per query group g = 0..ng-1 as
     [q heads of g (nh/ng of them), k_g, v_g]  each head hn wide,
-so a tensor-parallel rank owning groups [g0, g1) owns a contiguous row block.  Attention
-itself is `scaled_dot_product_attention` (causal; optional key-padding mask and sliding
-window).  Activations enter and leave as [s, b, h] (sequence-sharded with SP).
+so a tensor-parallel rank owning groups [g0, g1) owns a contiguous row block: the module reads
+how many groups it holds from its weight's shape, which is all that tensor parallelism changes.
+Attention itself is `scaled_dot_product_attention` (causal; optional key-padding mask and
+sliding window).  Activations enter and leave as [s, b, h].
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from ..parallel import state
-from ..parallel.layers import ColumnParallelLinear, RowParallelLinear
-from ..parallel.random import replayable, tp_rng
 from .rotary import apply_rotary
 
 
@@ -37,45 +34,40 @@ def build_attention_mask(seq_len: int, attention_mask: torch.Tensor | None, slid
     return allowed
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, config, sequence_parallel: bool = False, recompute_core: bool = False,
-                 dtype=None, device=None):
-        super().__init__()
-        tp = state.tp_size()
-        nh, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels
-        if ng % tp:
-            raise ValueError(
-                f"num_query_groups (num_key_value_heads)={ng} is not divisible by tensor parallel size {tp}; "
-                f"use tp <= {ng} and a divisor of it"
-            )
-        self.heads_per_group, self.local_groups, self.head_dim = nh // ng, ng // tp, hn
-        self.dropout = config.attention_dropout
-        self.sliding_window = config.sliding_window
-        self.recompute_core = recompute_core
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, ng * (nh // ng + 2) * hn, bias=config.add_qkv_bias,
-                                               sequence_parallel=sequence_parallel, dtype=dtype, device=device)
-        self.linear_proj = RowParallelLinear(nh * hn, config.hidden_size, bias=config.add_proj_bias,
-                                             sequence_parallel=sequence_parallel, dtype=dtype, device=device)
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(hn) + mask) v, with dropout on the probabilities. No parameters:
+    the unit that selective recompute checkpoints (and that tensor parallelism gives its own
+    dropout stream, since each rank holds other heads)."""
 
-    def _core(self, q, k, v, mask):
+    def __init__(self, dropout: float, heads_per_group: int):
+        super().__init__()
+        self.dropout, self.heads_per_group = dropout, heads_per_group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
-        with tp_rng():  # local heads differ per TP rank, so must their dropout masks
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=mask is None, enable_gqa=self.heads_per_group > 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
+                                              enable_gqa=self.heads_per_group > 1)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config, dtype=None, device=None):
+        super().__init__()
+        nh, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        self.heads_per_group, self.head_dim = nh // ng, hn
+        self.linear_qkv = nn.Linear(config.hidden_size, ng * (nh // ng + 2) * hn, bias=config.add_qkv_bias,
+                                    dtype=dtype, device=device)
+        self.core_attention = CoreAttention(config.attention_dropout, nh // ng)
+        self.linear_proj = nn.Linear(nh * hn, config.hidden_size, bias=config.add_proj_bias, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
-        qkv = self.linear_qkv(hidden)  # [s, b, local_groups * (hpg + 2) * hn]
+        qkv = self.linear_qkv(hidden)  # [s, b, groups * (hpg + 2) * hn]; groups = this rank's
         s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        qkv = qkv.view(s, b, -1, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
-            out = checkpoint(replayable(self._core), q, k, v, mask, use_reentrant=False)
-        else:
-            out = self._core(q, k, v, mask)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.linear_proj(out)
+        out = self.core_attention(q, k, v, mask)  # [b, heads, s, hn]
+        return self.linear_proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))

@@ -1,14 +1,20 @@
 """GPTModel: embedding -> N transformer layers -> final norm -> output layer (-> loss).
 
-Parameter names are megatron-core's (`embedding.word_embeddings.weight`,
-`decoder.layers.N.self_attention.linear_qkv.weight`, ..., `decoder.final_layernorm`,
-`output_layer.weight`).  Internally activations are [s, b, h] (Megatron's layout, which makes
-sequence parallelism a split of dim 0); inputs and logits are [b, s] / [b, s, vocab] as in
-transformers.
+Plain PyTorch (nn.Linear, nn.Embedding, norms) under megatron-core's parameter names
+(`embedding.word_embeddings.weight`, `decoder.layers.N.self_attention.linear_qkv.weight`, ...,
+`decoder.final_layernorm.weight`, `output_layer.weight`).  It knows nothing of process groups:
+tensor / sequence parallelism, recompute and pipeline splits are applied from outside
+(`hf_megatron.parallel`), by swapping or removing modules by name.  So the forward tolerates
+removed parts: a pipeline stage without `embedding` takes `hidden_states`, one without
+`output_layer` returns them.  `decoder.layers` is keyed by the *global* layer number.
 
-A pipeline stage is the same class with `pre_process` (owns the embedding),
-`post_process` (owns final norm, output layer and loss) and a slice of the layers
-(`layer_offset`, `num_layers`); its layer names are local to the stage, as Megatron writes them.
+Shapes: inputs [b, s]; activations [s, b, h] (Megatron's layout: sequence parallelism is a split
+of dim 0); logits [b, s, vocab_size].  The vocabulary is padded to a multiple of
+`make_vocab_size_divisible_by` (Megatron's rule) and the padding never reaches the loss.
+
+Targets: `labels=` has transformers' meaning (the model shifts: token t is scored against
+labels[t + 1]); `targets=` are already aligned (token t against targets[t]), the training
+path's form, where the data supplies a window of s + 1 tokens as s inputs and s targets.
 """
 from __future__ import annotations
 
@@ -17,169 +23,176 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from ..parallel import comm, state
-from ..parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from ..parallel.loss import vocab_parallel_cross_entropy
-from ..parallel.random import replayable, tp_rng
 from .attention import build_attention_mask
 from .block import TransformerLayer
-from .norms import RMSNorm, make_norm
+from .norms import make_norm
 from .rotary import RotaryEmbedding
+
+IGNORE_INDEX = -100
 
 
 @dataclass
 class GPTOutput:
     loss: torch.Tensor | None = None  # mean over non-ignored tokens
-    logits: torch.Tensor | None = None  # [b, s, vocab_size], gathered over TP, padding removed
+    logits: torch.Tensor | None = None  # [b, s, vocab_size], padding removed
     loss_sum: torch.Tensor | None = None  # sum of per-token losses (for micro-batch accumulation)
     num_tokens: torch.Tensor | None = None  # number of non-ignored target tokens
-    hidden_states: torch.Tensor | None = None  # [s, b, h] output of a non-final pipeline stage
+    hidden_states: torch.Tensor | None = None  # [s, b, h] output of a stage without output layer
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal shift: targets[t] = labels[t + 1]; the last position is ignored."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: ModelConfig, sequence_parallel: bool, dtype=None, device=None):
+    """word (+ learned position) embeddings, then dropout: [b, s] ids -> [s, b, h]."""
+
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
-        # partial sums over TP ranks; reduced (or reduce-scattered along the sequence) below
-        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(state.tp_size()), config.hidden_size,
-                                                      reduce_output=False, dtype=dtype, device=device)
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size(), config.hidden_size, dtype=dtype, device=device)
+        self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                     dtype=dtype, device=device)
-        else:
-            self.position_embeddings = None
-        self.sequence_parallel = sequence_parallel
-        self.dropout = config.embedding_dropout
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        words = self.word_embeddings(input_ids.t())  # [s, b, h]; partial over TP ranks
-        positions = None
+        out = self.word_embeddings(input_ids.t())
         if self.position_embeddings is not None:
-            positions = self.position_embeddings(position_ids.t())
-        if self.sequence_parallel:
-            out = comm.sp_reduce_scatter(words)
-            if positions is not None:
-                out = out + comm.sp_scatter(positions)
-        else:
-            out = comm.reduce_from_tp(words)
-            if positions is not None:
-                out = out + positions
-        if self.training and self.dropout > 0:
-            if self.sequence_parallel:
-                with tp_rng():
-                    return F.dropout(out, self.dropout, True)
-            return F.dropout(out, self.dropout, True)
-        return out
+            out = out + self.position_embeddings(position_ids.t())
+        return self.embedding_dropout(out)
+
+
+class LayerDict(nn.ModuleDict):
+    """Layers keyed by their global number (`layers[5]` or `layers["5"]`), so a pipeline stage
+    that holds layers 4..7 keeps their names."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(str(key))
+
+    def __delitem__(self, key):
+        super().__delitem__(str(key))
 
 
 class Decoder(nn.Module):
-    def __init__(self, config, num_layers, post_process, sequence_parallel, recompute, dtype=None, device=None):
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, sequence_parallel, recompute == "selective", dtype=dtype, device=device)
-            for _ in range(num_layers)
-        )
-        self.final_layernorm = make_norm(config, dtype=dtype, device=device) if post_process else None
-        self.recompute_full = recompute == "full"
+        self.layers = LayerDict({str(i): TransformerLayer(config, dtype=dtype, device=device)
+                                 for i in range(config.num_layers)})
+        self.final_layernorm = make_norm(config, dtype=dtype, device=device)
 
     def forward(self, hidden, rotary, mask):
-        for layer in self.layers:
-            if self.recompute_full and self.training and torch.is_grad_enabled():
-                hidden = checkpoint(replayable(layer), hidden, rotary, mask, use_reentrant=False)
-            else:
-                hidden = layer(hidden, rotary, mask)
+        for layer in self.layers.values():
+            hidden = layer(hidden, rotary, mask)
         return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
 
 
-class GPTModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, pre_process: bool = True, post_process: bool = True,
-                 layer_offset: int = 0, num_layers: int | None = None, sequence_parallel: bool = False,
-                 recompute: str | None = None, dtype: torch.dtype | None = None, device=None):
-        super().__init__()
-        if recompute not in (None, "full", "selective"):
-            raise ValueError(f"recompute must be None, 'full' or 'selective', got {recompute!r}")
-        self.config = config
-        self.pre_process, self.post_process = pre_process, post_process
-        self.layer_offset = layer_offset
-        self.num_layers = config.num_layers - layer_offset if num_layers is None else num_layers
-        self.sequence_parallel = sequence_parallel and state.tp_size() > 1
-        self.share_embeddings_and_output_weights = config.tie_word_embeddings
-        sp = self.sequence_parallel
+class OutputLayer(nn.Module):
+    """logits = x W^T over the padded vocabulary.  With tied embeddings on a model that also holds
+    the embedding, W is the word-embedding table (no weight of its own, as in megatron-core)."""
 
-        self.embedding = Embedding(config, sp, dtype=dtype, device=device) if pre_process else None
+    def __init__(self, hidden_size: int, padded_vocab: int, tied: bool, dtype=None, device=None):
+        super().__init__()
+        self.weight = None if tied else nn.Parameter(torch.empty(padded_vocab, hidden_size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight if self.weight is not None else tied_weight)
+
+
+class VocabLoss(nn.Module):
+    """Per-token cross entropy over (padded) vocabulary logits, and the unpadded logits.
+    Tensor parallelism swaps in the vocab-parallel version (`parallel.loss`)."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """logits [s, b, V_padded], targets [s, b] -> fp32 losses [s, b] (0 where ignored)."""
+        logits = logits[..., : self.vocab_size].float()
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="none").view(targets.shape)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.vocab_size]
+
+
+class GPTModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.config = config
+        self.embedding = Embedding(config, dtype=dtype, device=device)
         self.rotary = None
         if config.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
-        self.decoder = Decoder(config, self.num_layers, post_process, sp, recompute, dtype=dtype, device=device)
-        self.output_layer = None
-        if post_process and not (pre_process and config.tie_word_embeddings):
-            # untied, or tied but on a last stage that lacks the embedding (kept in sync by the
-            # pipeline's embedding-group all-reduce, as Megatron does)
-            self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size(state.tp_size()),
-                                                     bias=False, sequence_parallel=sp, dtype=dtype, device=device)
-        if sp:
-            for module in self.modules():
-                if isinstance(module, (nn.LayerNorm, RMSNorm)):
-                    for p in module.parameters():
-                        p.sequence_parallel = True  # grads from a sequence shard: all-reduce over TP
+        self.decoder = Decoder(config, dtype=dtype, device=device)
+        self.output_layer = OutputLayer(config.hidden_size, config.padded_vocab_size(), config.tie_word_embeddings,
+                                        dtype=dtype, device=device)
+        self.vocab_loss = VocabLoss(config.vocab_size)
 
-    # ------------------------------------------------------------------ weights
+    # what a pipeline split hands to the first / last stage; layers go in between
+    FIRST_STAGE_MODULES = ("embedding",)
+    LAST_STAGE_MODULES = ("decoder.final_layernorm", "output_layer", "vocab_loss")
+    LAYERS = "decoder.layers"
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def pre_process(self) -> bool:
+        return self.embedding is not None
+
+    @property
+    def post_process(self) -> bool:
+        return self.output_layer is not None
+
+    @property
+    def layer_numbers(self) -> list[int]:
+        """Global numbers of the layers this model (or pipeline stage) holds."""
+        return [int(key) for key in self.decoder.layers.keys()]
+
     def output_weight(self) -> torch.Tensor:
-        if self.output_layer is not None:
+        if self.output_layer.weight is not None:
             return self.output_layer.weight
         return self.embedding.word_embeddings.weight
-
-    def load_full_state_dict(self, full: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Load unsharded megatron-core weights (global layer numbers, unpadded vocab)."""
-        from ..conversion.layout import shard_for_model
-        missing = self.load_state_dict(shard_for_model(full, self), strict=False)
-        if strict and (missing.missing_keys or missing.unexpected_keys):
-            raise KeyError(f"weights do not match the model: missing {missing.missing_keys[:5]}, "
-                           f"unexpected {missing.unexpected_keys[:5]}")
-
-    def init_weights(self, seed: int = 1234) -> None:
-        """Megatron-style init (normal(0, std); output projections scaled by 1/sqrt(2L)),
-        generated at full size from `seed` and then sharded, so any TP/PP layout starts from the
-        same weights as one process."""
-        from ..conversion.layout import random_full_state_dict
-        self.load_full_state_dict(random_full_state_dict(self.config, seed), strict=False)
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                hidden_states: torch.Tensor | None = None, return_logits: bool = True) -> GPTOutput:
-        ref = input_ids if input_ids is not None else labels
+                targets: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
+                return_logits: bool = True) -> GPTOutput:
+        if labels is not None and targets is not None:
+            raise ValueError("give labels (transformers' meaning: shifted by the model) or targets (aligned), not both")
+        if labels is not None:
+            targets = shift_labels(labels)
+        ref = input_ids if input_ids is not None else targets
         if ref is None:
-            raise ValueError("GPTModel.forward needs input_ids (first stage) or labels (last stage)")
+            raise ValueError("GPTModel.forward needs input_ids (first stage) or targets/labels (later stages)")
         b, s = ref.shape
         if position_ids is None:
             position_ids = torch.arange(s, device=ref.device).unsqueeze(0).expand(b, s)
-        if self.pre_process:
-            hidden = self.embedding(input_ids, position_ids)
+        if self.embedding is not None:
+            hidden = self.embedding(input_ids, position_ids)  # [s, b, h]
+        elif hidden_states is None:
+            raise ValueError("a pipeline stage without the embedding needs hidden_states")
         else:
-            if hidden_states is None:
-                raise ValueError("a non-first pipeline stage needs hidden_states")
             hidden = hidden_states
-        rotary = None
-        if self.rotary is not None:
-            rotary = self.rotary(position_ids, hidden.dtype)
+        rotary = self.rotary(position_ids, hidden.dtype) if self.rotary is not None else None
         mask = build_attention_mask(s, attention_mask, self.config.sliding_window, ref.device)
         hidden = self.decoder(hidden, rotary, mask)
-        if not self.post_process:
+        if self.output_layer is None:
             return GPTOutput(hidden_states=hidden)
 
-        x = comm.sp_gather(hidden) if self.sequence_parallel else comm.copy_to_tp(hidden)
-        logits = F.linear(x, self.output_weight())  # [s, b, padded_vocab / tp]
+        logits = self.output_layer(hidden, self.embedding.word_embeddings.weight
+                                   if self.output_layer.weight is None else None)  # [s, b, V_padded(/tp)]
         out = GPTOutput()
-        if labels is not None:
-            shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), -100)], dim=1).t()  # HF shift
-            per_token = vocab_parallel_cross_entropy(logits, shifted, self.config.vocab_size)
-            out.num_tokens = (shifted != -100).sum()
+        if targets is not None:
+            targets = targets.t()
+            per_token = self.vocab_loss(logits, targets)
+            out.num_tokens = (targets != IGNORE_INDEX).sum()
             out.loss_sum = per_token.sum()
             out.loss = out.loss_sum / out.num_tokens.clamp(min=1)
         if return_logits:
-            full = comm.gather_from_tp(logits, -1)[..., : self.config.vocab_size]
-            out.logits = full.transpose(0, 1)
+            out.logits = self.vocab_loss.full_logits(logits).transpose(0, 1)
         return out

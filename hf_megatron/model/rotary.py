@@ -18,7 +18,7 @@ from ..kernels import rotate_half  # noqa: F401  (kept importable from here)
 
 
 def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", "default")
@@ -41,9 +41,12 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables from position ids.  The inverse frequencies are computed on the CPU (not a
+    buffer), so a model built on the meta device and materialised later needs no re-init."""
+
     def __init__(self, dim: int, base: float, scaling: dict | None = None):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(dim, base, scaling), persistent=False)
+        self.inv_freq = rope_inv_freq(dim, base, scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [b, s, d] for position_ids [b, s]."""

@@ -1,10 +1,14 @@
-"""Megatron-style parallelism: rank grid, collectives, TP layers, vocab-parallel loss, RNG."""
+"""Megatron-style parallelism applied to a plain model from outside: rank grid, collectives,
+TP layers and `parallelize`, vocab-parallel loss, RNG streams, recompute, pipeline split."""
 from . import comm, state
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelOutput
 from .loss import vocab_parallel_cross_entropy
+from .parallelize import parallelize
+from .recompute import apply_recompute
 from .state import ParallelConfigError, get_state, initialize
 
 __all__ = [
-    "comm", "state", "initialize", "get_state", "ParallelConfigError",
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
+    "comm", "state", "initialize", "get_state", "ParallelConfigError", "parallelize", "apply_recompute",
+    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelOutput",
+    "vocab_parallel_cross_entropy",
 ]

@@ -1,4 +1,4 @@
-"""Autograd-aware collectives over the tensor-parallel group.
+"""Autograd-aware collectives over a tensor-parallel group.
 
 Each pair is a forward op and its transpose as the backward:
 
@@ -10,142 +10,143 @@ Each pair is a forward op and its transpose as the backward:
     sp_reduce_scatter f(x) = reduce-scatter(x, 0) df = all-gather(dy, dim 0)
     sp_scatter        f(x) = x[chunk r, ...]      df = all-gather(dy, dim 0)
 
-With tp == 1 every op is the identity. Sequence-parallel ops split along dim 0
-(activations are [s, b, h] in the sequence-parallel region, as in Megatron).
+Every op takes the group explicitly (the parallel modules hold theirs); a group of None or of
+size 1 makes every op the identity.  Sequence-parallel ops split along dim 0 (activations are
+[s, b, h] in the sequence-parallel region, as in Megatron).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from . import state
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if state.tp_size() == 1:
-        return x
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=state.tp_group())
+    dist.all_reduce(x, group=group)
     return x
 
 
-def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
-    size = state.tp_size()
-    if size == 1:
-        return x
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=state.tp_group())
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
 
 
-def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
-    size = state.tp_size()
-    if size == 1:
-        return x
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    size = group_size(group)
     if x.shape[dim] % size:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by tp={size}")
-    return x.chunk(size, dim=dim)[state.tp_rank()].contiguous()
+    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    size = state.tp_size()
-    if size == 1:
-        return x
-    # all-reduce + split: gloo has no reduce_scatter; NCCL users pay one extra copy only
-    if dist.get_backend(state.tp_group()) == "nccl" and dim == 0:
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    # NCCL has reduce_scatter; gloo does not, so there it is an all-reduce + split
+    if dist.get_backend(group) == "nccl" and dim == 0:
+        size = group_size(group)
         out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=state.tp_group())
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
         return out
-    return _split(_all_reduce(x.clone()), dim)
+    return _split(_all_reduce(x.clone(), group), dim, group)
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone())
+        return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone())
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _split(x, dim)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.dim), None
+        return _gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _gather(x, dim)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, ctx.dim), None
+        return _split(grad, ctx.dim, ctx.group), None, None
 
 
 class _SPGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _gather(x, 0)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, 0, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad, 0)
+        return _reduce_scatter(grad, 0, ctx.group), None
 
 
 class _SPReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter(x, 0)
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, 0)
+        return _gather(grad, 0, ctx.group), None
 
 
-def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _CopyToTP.apply(x)
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _ReduceFromTP.apply(x)
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _ScatterToTP.apply(x, dim)
+def scatter_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, dim, group)
 
 
-def gather_from_tp(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _GatherFromTP.apply(x, dim)
+def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, dim, group)
 
 
-def sp_gather(x: torch.Tensor) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _SPGather.apply(x)
+def sp_gather(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _SPGather.apply(x, group)
 
 
-def sp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
-    return x if state.tp_size() == 1 else _SPReduceScatter.apply(x)
+def sp_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _SPReduceScatter.apply(x, group)
 
 
-def sp_scatter(x: torch.Tensor) -> torch.Tensor:
+def sp_scatter(x: torch.Tensor, group) -> torch.Tensor:
     """Keep this rank's sequence chunk (dim 0); backward all-gathers."""
-    return x if state.tp_size() == 1 else _ScatterToTP.apply(x, 0)
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, 0, group)

@@ -1,22 +1,21 @@
-"""Tensor-parallel linear and embedding layers (Megatron-style).
+"""Tensor-parallel replacements for the plain model's nn.Linear / nn.Embedding / output layer.
 
-ColumnParallelLinear:  Y = X A + b,  A = [A_1 ... A_p] split by output columns.
-    Rank r holds A_r (stored as weight[out/p, in], dim 0 of the torch weight) and b_r, and
-    computes Y_r = X A_r + b_r.  Input X is replicated (copy_to_tp: backward all-reduces
-    dX) or, with sequence parallelism, all-gathered along the sequence first.
+`parallelize` swaps them in from outside; each holds its tensor-parallel group and this rank's
+shard (cut from the plain module's full weight by `sharding.shard_tensor`, on the meta device
+or materialised alike).
 
-RowParallelLinear:  Y = X A + b,  A = [A_1; ...; A_p] split by input rows.
-    Rank r holds A_r (weight[out, in/p], dim 1) and computes X_r A_r; the partial sums are
-    all-reduced (or reduce-scattered along the sequence with sequence parallelism); the
-    bias is added once, after the reduction.
-
-VocabParallelEmbedding:  rank r owns rows [vocab_start, vocab_end) of the padded table;
-    tokens outside its range look up zeros, and an all-reduce (or reduce-scatter with SP)
-    sums the partial lookups (callers that reduce-scatter instead pass reduce_output=False).
-
-With tp == 1 these are ordinary nn.Linear / nn.Embedding computations.  Weights are
-created at the *local* (per-rank) shape; loading full weights goes through
-`hf_megatron.conversion.layout`, which shards them.
+ColumnParallelLinear:  Y = X A^T + b,  A split by output rows: rank r holds A_r (weight
+    [out/p, in]) and b_r and computes Y_r = X A_r^T + b_r.  Its input is replicated
+    (copy_to_tp: backward all-reduces dX) or, with sequence parallelism, all-gathered along the
+    sequence first (backward reduce-scatters).
+RowParallelLinear:  Y = X A^T + b,  A split by input columns: rank r holds A_r (weight
+    [out, in/p]) and computes X_r A_r^T; the partial sums are all-reduced (or reduce-scattered
+    along the sequence); the replicated bias is added once, after the reduction.
+VocabParallelEmbedding:  rank r owns rows [vocab_start, vocab_end) of the padded table; ids
+    outside look up zeros and the partial lookups are summed: all-reduce, or with sequence
+    parallelism a reduce-scatter that leaves this rank's sequence chunk.
+VocabParallelOutput:  logits_r = X W_r^T over this rank's vocabulary rows (input copied or
+    sequence-gathered as for a column-parallel linear).
 """
 from __future__ import annotations
 
@@ -24,78 +23,97 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, state
+from . import comm
+from .sharding import shard_tensor
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 gather_output: bool = False, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device=None):
-        super().__init__()
-        tp = state.tp_size()
-        if out_features % tp:
-            raise ValueError(f"ColumnParallelLinear: out_features={out_features} not divisible by tp={tp}")
-        self.in_features, self.out_features = in_features, out_features
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features // tp, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype, device=device)) if bias else None
+def _param(full: torch.Tensor, style: str, parts: int, group, requires_grad: bool = True) -> nn.Parameter:
+    shard = shard_tensor(full.detach(), style, 0 if style != "row" else 1, parts,
+                         comm.group_size(group))[comm.group_rank(group)]
+    return nn.Parameter(shard.clone() if shard.device.type != "meta" else shard, requires_grad=requires_grad)
+
+
+class ColumnParallelLinear(nn.Linear):
+    def __init__(self, linear: nn.Linear, group, parts: int = 1, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.in_features = linear.in_features
+        self.weight = _param(linear.weight, "column", parts, group, linear.weight.requires_grad)
+        self.out_features = self.weight.shape[0]
+        self.bias = None if linear.bias is None else _param(linear.bias, "column", parts, group,
+                                                            linear.bias.requires_grad)
         self.weight.tensor_parallel_dim = 0
         if self.bias is not None:
             self.bias.tensor_parallel_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.sp_gather(x) if self.sequence_parallel else comm.copy_to_tp(x)
-        y = F.linear(x, self.weight, self.bias)
-        return comm.gather_from_tp(y, -1) if self.gather_output else y
+        x = comm.sp_gather(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
 
 
-class RowParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device=None):
-        super().__init__()
-        tp = state.tp_size()
-        if in_features % tp:
-            raise ValueError(f"RowParallelLinear: in_features={in_features} not divisible by tp={tp}")
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel requires input_is_parallel=True")
-        self.in_features, self.out_features = in_features, out_features
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp, dtype=dtype, device=device))
+class RowParallelLinear(nn.Linear):
+    def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.out_features = linear.out_features
+        self.weight = _param(linear.weight, "row", 1, group, linear.weight.requires_grad)
+        self.in_features = self.weight.shape[1]
         self.weight.tensor_parallel_dim = 1
-        # the bias is replicated on every TP rank (its grad is identical everywhere; with SP
-        # it is computed on a sequence shard and must be all-reduced over TP -- see
-        # `sequence_parallel` attribute, used by the optimizer's grad sync)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        # the bias is replicated; with sequence parallelism it is added on a sequence shard, so
+        # its gradient is partial and must be summed over TP (see `sequence_parallel` tag)
+        self.bias = linear.bias
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = comm.scatter_to_tp(x, -1)
         y = F.linear(x, self.weight)
-        y = comm.sp_reduce_scatter(y) if self.sequence_parallel else comm.reduce_from_tp(y)
+        y = comm.sp_reduce_scatter(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
-    def __init__(self, padded_vocab_size: int, hidden_size: int, reduce_output: bool = True,
-                 dtype: torch.dtype | None = None, device=None):
-        super().__init__()
-        tp, rank = state.tp_size(), state.tp_rank()
-        if padded_vocab_size % tp:
-            raise ValueError(f"VocabParallelEmbedding: padded vocab {padded_vocab_size} not divisible by tp={tp}")
-        per_rank = padded_vocab_size // tp
-        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
-        self.padded_vocab_size = padded_vocab_size
-        self.reduce_output = reduce_output  # False: return this rank's partial lookup
-        self.weight = nn.Parameter(torch.empty(per_rank, hidden_size, dtype=dtype, device=device))
+class VocabParallelEmbedding(nn.Embedding):
+    def __init__(self, embedding: nn.Embedding, group, padded_vocab: int, sequence_parallel: bool = False):
+        nn.Module.__init__(self)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _param(_padded(embedding.weight, padded_vocab), "vocab", 1, group, embedding.weight.requires_grad)
         self.weight.tensor_parallel_dim = 0
+        self.num_embeddings, self.embedding_dim = self.weight.shape
+        self.vocab_start = comm.group_rank(group) * self.num_embeddings
+        self.vocab_end = self.vocab_start + self.num_embeddings
+        self.padding_idx, self.max_norm, self.norm_type = None, None, 2.0
+        self.scale_grad_by_freq, self.sparse = False, False
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if state.tp_size() == 1:
-            return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return comm.reduce_from_tp(out) if self.reduce_output else out
+        if self.sequence_parallel:  # ids are [s, b]: leave this rank's sequence chunk
+            return comm.sp_reduce_scatter(out, self.group)
+        return comm.reduce_from_tp(out, self.group)
+
+
+class VocabParallelOutput(nn.Module):
+    """The output layer over this rank's vocabulary rows (weight None: tied to the embedding)."""
+
+    def __init__(self, output_layer: nn.Module, group, padded_vocab: int, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        weight = output_layer.weight
+        self.weight = None if weight is None else _param(_padded(weight, padded_vocab), "vocab", 1, group,
+                                                         weight.requires_grad)
+        if self.weight is not None:
+            self.weight.tensor_parallel_dim = 0
+
+    def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
+        x = comm.sp_gather(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        return F.linear(x, self.weight if self.weight is not None else tied_weight)
+
+
+def _padded(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A vocab table with `rows` rows (zero padding added, or surplus padding rows dropped)."""
+    if weight.shape[0] == rows:
+        return weight
+    if weight.shape[0] > rows:
+        return weight[:rows]
+    pad = torch.zeros((rows - weight.shape[0],) + tuple(weight.shape[1:]), dtype=weight.dtype, device=weight.device)
+    return torch.cat([weight.detach(), pad])

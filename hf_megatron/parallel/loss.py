@@ -15,24 +15,25 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from . import comm, state
+from . import comm
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = -100, group=None) -> torch.Tensor:
     """Per-token losses (fp32), shape of `target`. `logits` is [..., padded_vocab / tp]."""
     logits = logits.float()
     per_rank = logits.shape[-1]
-    vocab_start = state.tp_rank() * per_rank
+    vocab_start = comm.group_rank(group) * per_rank
     columns = torch.arange(vocab_start, vocab_start + per_rank, device=logits.device)
     if vocab_size is not None and vocab_start + per_rank > vocab_size:
         logits = logits.masked_fill(columns >= vocab_size, float("-inf"))
 
     with torch.no_grad():
         max_logit = logits.max(dim=-1).values
-        if state.tp_size() > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=state.tp_group())
+        if comm.group_size(group) > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - max_logit.unsqueeze(-1)
 
     ignored = target == ignore_index
@@ -41,7 +42,22 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
     local_target = local_target.masked_fill(outside, 0)
     picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
 
-    sum_exp = comm.reduce_from_tp(shifted.exp().sum(dim=-1))
-    target_logit = comm.reduce_from_tp(picked)
+    sum_exp = comm.reduce_from_tp(shifted.exp().sum(dim=-1), group)
+    target_logit = comm.reduce_from_tp(picked, group)
     loss = torch.log(sum_exp) - target_logit
     return loss.masked_fill(ignored, 0.0)
+
+
+class VocabParallelLoss(nn.Module):
+    """The plain model's `vocab_loss` under tensor parallelism: the loss above, and full logits
+    gathered over the group (padding removed)."""
+
+    def __init__(self, vocab_size: int, group):
+        super().__init__()
+        self.vocab_size, self.group = vocab_size, group
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.vocab_size, group=self.group)
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return comm.gather_from_tp(logits, self.group, -1)[..., : self.vocab_size]

@@ -12,7 +12,7 @@ Schedules come from `torch.distributed.pipelining`: `Schedule1F1B` (vpp = 1) and
     first chunk:   input_ids          -> hidden [s, b, h]    ([s/tp, b, h] with sequence parallel)
     middle chunk:  hidden             -> hidden
     last chunk:    hidden             -> loss_sum (0-d)      and num_tokens kept on the side
-    labels / position_ids / attention_mask reach every chunk as keyword arguments.
+    targets / position_ids / attention_mask reach every chunk as keyword arguments.
 
 The schedule's loss function is `loss_sum * loss_scale`, and `scale_grads=False`, so the
 gradient is exactly that of  sum_m loss_sum_m * loss_scale  (what one process computes).
@@ -36,64 +36,42 @@ embedding; `allreduce_embedding_grads` sums the two gradients over the embedding
 """
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import ModelConfig
-from ..conversion.layout import stage_layers
-from . import state
+from . import comm, state
+from .sharding import layers_per_stage_list
 
 
-# ----------------------------------------------------------------------------- building
-def chunk_layer_ranges(num_layers: int, pp: int, vpp: int = 1,
-                       layers_per_stage: list[int] | None = None) -> list[range]:
-    """Global layer numbers of each of the pp * vpp model chunks (in model order).
+# ----------------------------------------------------------------------------- splitting
+def split_module(model: nn.Module, stage: int, num_stages: int, layers_per_stage: list[int] | None = None,
+                 *, layers: str = "decoder.layers", first: tuple[str, ...] = ("embedding",),
+                 last: tuple[str, ...] = ("decoder.final_layernorm", "output_layer", "vocab_loss")) -> nn.Module:
+    """A copy of `model` holding only pipeline chunk `stage` of `num_stages` (torchtitan's idea).
 
-    `layers_per_stage` lists the layers of every model chunk (pp * vpp entries); None splits
-    evenly."""
-    return [stage_layers(num_layers, pp * vpp, index, layers_per_stage) for index in range(pp * vpp)]
-
-
-def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int] | None = None,
-                       seed: int = 1234, **gpt_kwargs: Any) -> list:
-    """This rank's model chunks: chunk v holds model chunk v * pp + pp_rank.
-
-    `source`: a ModelConfig (fresh Megatron init from `seed`, the same weights as one process
-    would get) or anything `hf_megatron.from_pretrained` accepts (pretrained weights).
-    `gpt_kwargs` go to GPTModel (sequence_parallel, recompute, dtype, device)."""
-    from ..loading import from_pretrained
-    from ..model.gpt import GPTModel
-    if vpp < 1:
-        raise ValueError(f"virtual pipeline size must be >= 1, got {vpp}")
-    grid = state.get_state()
-    pp, pp_rank = grid.pp, grid.coords["pp"]
-    if vpp > 1 and pp == 1:
-        raise ValueError(f"virtual pipeline size {vpp} needs pipeline_model_parallel_size > 1")
-    if isinstance(source, ModelConfig):
-        num_layers = source.num_layers
-    else:
-        from ..loading import _source
-        num_layers = ModelConfig.from_hf(_source(source)[0]).num_layers
-    ranges = chunk_layer_ranges(num_layers, pp, vpp, layers_per_stage)
-    total = pp * vpp
-    chunks = []
-    for v in range(vpp):
-        index = v * pp + pp_rank
-        layers = ranges[index]
-        stage = dict(pre_process=index == 0, post_process=index == total - 1,
-                     layer_offset=layers.start, num_layers=len(layers))
-        if isinstance(source, ModelConfig):
-            model = GPTModel(source, **stage, **gpt_kwargs)
-            model.init_weights(seed)
-        else:
-            model = from_pretrained(source, **stage, **gpt_kwargs)
-        # what flows between stages, even through a chunk that has no parameters
-        model.activation_dtype = gpt_kwargs.get("dtype") or torch.get_default_dtype()
-        chunks.append(model)
-    return chunks
+    Knows no model, only names: `layers` is a ModuleDict of the blocks in order; chunk `stage`
+    keeps its run of them (an even split or `layers_per_stage`); the modules in `first` stay on
+    chunk 0 only and those in `last` on the last chunk only; removed modules become None, which
+    the model's forward tolerates.  Meant for a model on the meta device (the copy is cheap);
+    materialise the chunk afterwards."""
+    blocks = list(model.get_submodule(layers).keys())
+    counts = layers_per_stage_list(len(blocks), num_stages, layers_per_stage)
+    start = sum(counts[:stage])
+    keep = set(blocks[start:start + counts[stage]])
+    part = copy.deepcopy(model)
+    container = part.get_submodule(layers)
+    for key in blocks:
+        if key not in keep:
+            del container[key]
+    removed = (first if stage != 0 else ()) + (last if stage != num_stages - 1 else ())
+    for name in removed:
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(part.get_submodule(parent_name) if parent_name else part, leaf, None)
+    return part
 
 
 # ----------------------------------------------------------------------------- stages
@@ -106,11 +84,11 @@ class _StageModule(nn.Module):
         self.num_tokens: list[torch.Tensor] = []  # last chunk: one count per micro batch
         self.loss_sums: list[torch.Tensor] = []
 
-    def forward(self, first: torch.Tensor, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def forward(self, first: torch.Tensor, targets: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         gpt = _unwrap(self.model)
         inputs = {"input_ids": first} if gpt.pre_process else {"hidden_states": first}
-        # labels also give middle chunks the [b, s] shape
-        out = self.model(labels=labels, return_logits=False, **inputs, **kwargs)
+        # targets also give middle chunks the [b, s] shape
+        out = self.model(targets=targets, return_logits=False, **inputs, **kwargs)
         if not gpt.post_process:
             return out.hidden_states
         self.loss_sums.append(out.loss_sum.detach())
@@ -120,21 +98,21 @@ class _StageModule(nn.Module):
 
 def _activation_example(model: nn.Module, micro_batch: dict) -> torch.Tensor:
     """A tensor shaped like the [s, b, h] activation entering / leaving a middle chunk."""
-    b, s = micro_batch["labels"].shape
-    tp = state.tp_size()
-    if model.sequence_parallel:
+    b, s = micro_batch["targets"].shape
+    tp = comm.group_size(getattr(model, "tp_group", None))
+    if getattr(model, "sequence_parallel", False):
         if s % tp:
             raise ValueError(f"sequence length {s} is not divisible by tp={tp} (sequence parallelism)")
         s //= tp
     param = next(model.parameters(), None)
     if param is None:  # a chunk without layers passes activations through unchanged
         dtype = getattr(model, "activation_dtype", torch.get_default_dtype())
-        return torch.empty(s, b, model.config.hidden_size, dtype=dtype, device=micro_batch["labels"].device)
+        return torch.empty(s, b, model.config.hidden_size, dtype=dtype, device=micro_batch["targets"].device)
     return torch.empty(s, b, model.config.hidden_size, dtype=param.dtype, device=param.device)
 
 
 def _loss_example(micro_batch: dict) -> torch.Tensor:
-    return torch.zeros((), device=micro_batch["labels"].device)
+    return torch.zeros((), device=micro_batch["targets"].device)
 
 
 _CACHE: dict = {}  # forward_only -> (key, schedule, stage modules, loss-scale cell): the last one of each
@@ -152,7 +130,7 @@ def _schedule(chunks: list, micro_batches: list[dict], loss_scale: float, forwar
     grid = state.get_state()
     pp, pp_rank, vpp = grid.pp, grid.coords["pp"], len(chunks)
     first = micro_batches[0]
-    key = (tuple(id(c) for c in chunks), tuple(first["labels"].shape), len(micro_batches))
+    key = (tuple(id(c) for c in chunks), tuple(first["targets"].shape), len(micro_batches))
     cached = _CACHE.get(forward_only)
     if cached is not None and cached[0] == key:
         _, schedule, modules, scale = cached
@@ -194,19 +172,19 @@ def _check_micro_batches(micro_batches: list[dict], pp: int, vpp: int) -> None:
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro batch")
     for i, mb in enumerate(micro_batches):
-        for key in ("input_ids", "labels"):
+        for key in ("input_ids", "targets"):
             if key not in mb:
-                raise ValueError(f"micro batch {i} has no {key!r} (expected keys input_ids, labels, "
-                                 f"optional attention_mask, position_ids)")
-        if mb["input_ids"].shape != mb["labels"].shape:
-            raise ValueError(f"micro batch {i}: input_ids {tuple(mb['input_ids'].shape)} and labels "
-                             f"{tuple(mb['labels'].shape)} differ in shape")
+                raise ValueError(f"micro batch {i} has no {key!r} (expected keys input_ids, targets (aligned: "
+                                 f"token t is scored against targets[t]), optional attention_mask, position_ids)")
+        if mb["input_ids"].shape != mb["targets"].shape:
+            raise ValueError(f"micro batch {i}: input_ids {tuple(mb['input_ids'].shape)} and targets "
+                             f"{tuple(mb['targets'].shape)} differ in shape")
         for key in OPTIONAL_KEYS:
             if (mb.get(key) is None) != (micro_batches[0].get(key) is None):
                 raise ValueError(f"micro batch {i}: {key!r} must be given in every micro batch or in none")
-        if mb["labels"].shape != micro_batches[0]["labels"].shape:
-            raise ValueError(f"micro batch {i} has shape {tuple(mb['labels'].shape)}, expected "
-                             f"{tuple(micro_batches[0]['labels'].shape)} like micro batch 0")
+        if mb["targets"].shape != micro_batches[0]["targets"].shape:
+            raise ValueError(f"micro batch {i} has shape {tuple(mb['targets'].shape)}, expected "
+                             f"{tuple(micro_batches[0]['targets'].shape)} like micro batch 0")
     if vpp > 1 and len(micro_batches) % pp:
         raise ValueError(f"interleaved pipeline schedule needs the number of micro batches "
                          f"({len(micro_batches)}) to be a multiple of the pipeline size ({pp})")
@@ -217,7 +195,7 @@ OPTIONAL_KEYS = ("attention_mask", "position_ids")
 
 def _extra_kwargs(mb: dict) -> dict:
     """Optional model inputs, shaped [b, s] (a broadcast [1, s] position_ids is expanded)."""
-    shape = mb["labels"].shape
+    shape = mb["targets"].shape
     return {key: mb[key].expand(shape) for key in OPTIONAL_KEYS if mb.get(key) is not None}
 
 
@@ -226,7 +204,7 @@ def _plain_loop(model, micro_batches, loss_scale, forward_only):
     num_tokens = torch.zeros((), dtype=torch.long)
     for mb in micro_batches:
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
-            out = model(mb["input_ids"], labels=mb["labels"], return_logits=False, **_extra_kwargs(mb))
+            out = model(mb["input_ids"], targets=mb["targets"], return_logits=False, **_extra_kwargs(mb))
         if not forward_only:
             (out.loss_sum * loss_scale).backward()
         loss_sum = loss_sum.to(out.loss_sum.device) + out.loss_sum.detach().float()
@@ -255,16 +233,16 @@ def forward_backward(chunks: list, micro_batches: list[dict], *, loss_scale: flo
     # one shape) gives them back unchanged
     extras = [_extra_kwargs(mb) for mb in micro_batches]
     batch = {"input_ids": torch.cat([mb["input_ids"] for mb in micro_batches]),
-             "labels": torch.cat([mb["labels"] for mb in micro_batches]),
+             "targets": torch.cat([mb["targets"] for mb in micro_batches]),
              **{key: torch.cat([extra[key] for extra in extras]) for key in extras[0]}}
     input_ids = batch.pop("input_ids")
     if forward_only:
         with torch.no_grad():
             schedule.step(input_ids, return_outputs=False, **batch)
     else:
-        schedule.step(input_ids, target=batch["labels"], return_outputs=False, **batch)
+        schedule.step(input_ids, target=batch["targets"], return_outputs=False, **batch)
 
-    device = micro_batches[0]["labels"].device
+    device = micro_batches[0]["targets"].device
     totals = torch.zeros(2, dtype=torch.float64, device=device)
     last = modules[-1]
     if _unwrap(last.model).post_process:

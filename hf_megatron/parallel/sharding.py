@@ -15,11 +15,15 @@ per-stage list; Megatron writes their numbers local to the stage.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+from torch import nn
 
 from ..architectures import plan_for
 from ..architectures.plan import param_rule
-from ..errors import ParallelConfigError
+from ..errors import CheckpointError, ParallelConfigError
+from . import comm
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -36,21 +40,30 @@ def pad_vocab(tensor: torch.Tensor, padded_rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
-def split_tensor(name: str, tensor: torch.Tensor, config, tp: int) -> list[torch.Tensor]:
-    """Full tensor -> its tp shards, in TP-rank order."""
-    style, dim, parts = split_rule(name, config)
-    if style == "replicated" or (tp == 1 and style != "vocab"):
+def shard_tensor(tensor: torch.Tensor, style: str, dim: int | None, parts: int, tp: int) -> list[torch.Tensor]:
+    """A (vocab-padded) full tensor -> its tp shards under one rule (see the module docstring)."""
+    if style == "replicated" or tp == 1:
         return [tensor] * tp
-    if style == "vocab":
-        tensor = pad_vocab(tensor, config.padded_vocab_size(tp))
     pieces = tensor.chunk(parts, dim=dim) if parts > 1 else (tensor,)
     for piece in pieces:
         if piece.shape[dim] % tp:
-            raise ParallelConfigError(f"{name}: dim {dim} of size {piece.shape[dim]} is not divisible by "
-                                      f"tensor_model_parallel_size={tp}")
+            raise ParallelConfigError(f"a {style}-parallel tensor of shape {tuple(tensor.shape)}: dim {dim} "
+                                      f"({piece.shape[dim]} per part) is not divisible by tensor_model_parallel_size={tp}")
     per_piece = [piece.chunk(tp, dim=dim) for piece in pieces]
-    return [torch.cat([chunks[r] for chunks in per_piece], dim=dim).contiguous() if parts > 1
-            else per_piece[0][r].contiguous() for r in range(tp)]
+    if parts == 1:
+        return [chunk.contiguous() for chunk in per_piece[0]]
+    return [torch.cat([chunks[r] for chunks in per_piece], dim=dim).contiguous() for r in range(tp)]
+
+
+def split_tensor(name: str, tensor: torch.Tensor, config, tp: int) -> list[torch.Tensor]:
+    """Full tensor -> its tp shards, in TP-rank order."""
+    style, dim, parts = split_rule(name, config)
+    if style == "vocab":
+        tensor = pad_vocab(tensor, config.padded_vocab_size(tp))
+    try:
+        return shard_tensor(tensor, style, dim, parts, tp)
+    except ParallelConfigError as exc:
+        raise ParallelConfigError(f"{name}: {exc}") from None
 
 
 def merge_tensor(name: str, shards: list[torch.Tensor], config) -> torch.Tensor:
@@ -83,3 +96,33 @@ def stage_layers(num_layers: int, stages: int, stage: int, layers_per_stage: lis
     counts = layers_per_stage_list(num_layers, stages, layers_per_stage)
     start = sum(counts[:stage])
     return range(start, start + counts[stage])
+
+
+def load_full_weights(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill `model` (a chunk, possibly tensor-parallel) from full megatron-core tensors (global
+    layer numbers, unpadded vocab); tensors the chunk does not hold are skipped.  Every
+    parameter must be filled (one-line error naming the first missing ones)."""
+    config, group = model.config, getattr(model, "tp_group", None)
+    tp, rank = comm.group_size(group), comm.group_rank(group)
+    params = dict(model.named_parameters())
+    tied_copy = model.output_layer is not None and model.embedding is None and config.tie_word_embeddings
+    filled = set()
+    for name, tensor in pairs:
+        targets = [name]
+        if tied_copy and name == "embedding.word_embeddings.weight":
+            targets = ["output_layer.weight"]  # the last stage's copy of the tied table
+        for target in targets:
+            param = params.get(target)
+            if param is None:
+                continue
+            shard = split_tensor(target, tensor, config, tp)[rank]
+            if tuple(shard.shape) != tuple(param.shape):
+                raise CheckpointError(f"{target}: shape {tuple(tensor.shape)} does not fit the model "
+                                      f"(this rank expects {tuple(param.shape)} of it)")
+            with torch.no_grad():
+                param.copy_(shard)
+            filled.add(target)
+    missing = [n for n in params if n not in filled]
+    if missing:
+        raise CheckpointError(f"weights do not cover the model: missing {missing[:5]}"
+                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

@@ -31,10 +31,23 @@ from ..conversion.hf_io import CheckpointError
 from ..conversion.megatron_args import build_args
 from ..conversion.megatron_files import (MODEL_FILE, TRACKER, iter_dir_name, rank_dir_name, resolve_iteration_dir,
                                          safe_load, save_atomic, saved_layout, write_text_atomic)
+from ..conversion.layout import to_global_name, to_local_name
 from ..conversion.megatron_writer import CHECKPOINT_VERSION
 from ..parallel import state
 from ..parallel.random import get_tracker
 
+
+
+def stage_local_state_dict(chunk) -> dict[str, torch.Tensor]:
+    """The chunk's state dict with layer numbers local to its stage, as Megatron writes them
+    (in memory the model keeps global numbers)."""
+    offset = min(chunk.layer_numbers, default=0)
+    return {to_local_name(name, offset, len(chunk.layer_numbers)): t for name, t in chunk.state_dict().items()}
+
+
+def stage_global_state_dict(saved: dict[str, torch.Tensor], chunk) -> dict[str, torch.Tensor]:
+    offset = min(chunk.layer_numbers, default=0)
+    return {to_global_name(name, offset): t for name, t in saved.items()}
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
@@ -130,7 +143,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         vpp = len(chunks) if len(chunks) > 1 else None
         megatron_args = build_args(chunks[0].config, tp=st.tp, pp=st.pp, vpp=vpp, dp=st.dp,
                                    context_parallel_size=st.cp, iteration=iteration, **(args or {}))
-        payload: dict[str, Any] = {key: m.state_dict() for key, m in zip(_model_keys(len(chunks)), chunks)}
+        payload: dict[str, Any] = {key: stage_local_state_dict(m) for key, m in zip(_model_keys(len(chunks)), chunks)}
         payload.update(args=megatron_args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                        rng_state=[get_rng_state()])
         if optim_state is not None and not per_dp:
@@ -185,7 +198,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
         if key not in payload:
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if k.startswith('model'))}); "
                                   f"saved with a different number of virtual pipeline chunks?")
-        result = chunk.load_state_dict(payload[key], strict=False)
+        result = chunk.load_state_dict(stage_global_state_dict(payload[key], chunk), strict=False)
         if strict and (result.missing_keys or result.unexpected_keys):
             raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
                                   f"unexpected {result.unexpected_keys[:4]}")

@@ -93,7 +93,7 @@ def _counted_in_norm(chunk, name: str, p: torch.Tensor) -> bool:
     if getattr(p, "shared", False):
         return False
     tied_copy = (getattr(chunk, "output_layer", None) is not None and not chunk.pre_process
-                 and chunk.share_embeddings_and_output_weights and name == "output_layer.weight")
+                 and chunk.config.tie_word_embeddings and name == "output_layer.weight")
     if tied_copy:
         return False
     return getattr(p, "tensor_parallel_dim", None) is not None or state.tp_rank() == 0

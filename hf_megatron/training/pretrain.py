@@ -72,12 +72,9 @@ def _model_source(run: RunConfig):
     return ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
 
 
-def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device, seq_length: int):
-    """Yield this dp rank's micro batches of each global batch, on `device`.
-
-    Megatron's samples hold seq_length + 1 tokens; our model applies transformers' causal shift
-    itself, so it reads the first seq_length tokens (keeping the sequence divisible for sequence
-    parallelism) and the window's last token goes unused."""
+def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device):
+    """Yield this dp rank's micro batches of each global batch, on `device`: each sample's
+    seq_length + 1 tokens as seq_length inputs and seq_length aligned targets (data/loader.py)."""
     from ..data.loader import batch_iterator
     grid = state.get_state()
     num_micro = cfg.num_micro_batches(grid.dp)
@@ -88,7 +85,7 @@ def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device,
             batch = next(iterator, None)
             if batch is None:
                 return
-            micro.append({k: v[:, :seq_length].to(device, non_blocking=True) for k, v in batch.items()})
+            micro.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
         yield micro
 
 
@@ -133,7 +130,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
                         extra={"consumed_train_samples": at * gbs, "loss": loss,
                                "train_tokens": at * gbs * run.seq_length})
 
-    batches = _global_batches(train_ds, cfg, iteration * gbs, device, run.seq_length)
+    batches = _global_batches(train_ds, cfg, iteration * gbs, device)
     history, last = [], {}
     window_start, window_tokens = time.perf_counter(), 0
     while iteration < cfg.train_iters:
@@ -177,7 +174,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
 
 def _evaluate(chunks, dataset, cfg, run, device) -> float:
     losses = []
-    for i, micro in enumerate(_global_batches(dataset, cfg, 0, device, run.seq_length)):
+    for i, micro in enumerate(_global_batches(dataset, cfg, 0, device)):
         if i == run.eval_iters:
             break
         losses.append(trainer.evaluate(chunks, micro))

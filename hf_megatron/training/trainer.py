@@ -7,8 +7,13 @@
     for batch in data:                         # the *global* batch, [global_batch_size, s]
         stats = train_step(chunks, optimizer, scheduler, split_batch(batch, cfg))
 
+Micro batches hold `input_ids` and aligned `targets` ([b, s] each: token t is scored against
+targets[t], -100 = not scored), as the data path cuts them from windows of s + 1 tokens; the
+shift happens there, once.  (A transformers-style batch with `labels` converts through
+`hf_megatron.model.gpt.shift_labels`.)
+
 Loss normalisation.  The step's loss is  L = (sum of per-token losses) / N  over the whole
-global batch, N = number of target tokens (labels != -100 after the causal shift) on all
+global batch, N = number of target tokens (targets != -100) on all
 micro batches of all dp ranks.  N is all-reduced over dp *before* backward, every micro batch
 back-propagates  loss_sum * S / N  (S = fp16 loss scale, else 1), and gradients are then
 SUMMED over dp -- so any split of the global batch gives the gradient of the same L.
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..loading import build_model_chunks
 from ..parallel import pipeline, state
 from ..parallel.data_parallel import allreduce_grads, allreduce_tensors, grad_of, micro_batches_for_rank
 from ..parallel.random import model_parallel_seed
@@ -104,7 +110,7 @@ def setup_parallel(cfg: TrainingConfig) -> state.ParallelState:
 
 def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
-    return pipeline.build_model_chunks(
+    return build_model_chunks(
         source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
         sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_granularity,
         dtype=cfg.params_dtype, **gpt_kwargs)
@@ -140,8 +146,8 @@ def split_batch(batch: dict, cfg: TrainingConfig) -> list[dict]:
 
 
 def count_target_tokens(micro_batches: list[dict]) -> torch.Tensor:
-    """Tokens that carry a loss: labels shifted left by one (the HF causal shift), != -100."""
-    return sum((mb["labels"][:, 1:] != -100).sum() for mb in micro_batches)
+    """Tokens that carry a loss: targets != -100."""
+    return sum((mb["targets"] != -100).sum() for mb in micro_batches)
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
@@ -166,7 +172,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     for chunk in chunks:
         chunk.train()
     optimizer.zero_grad()
-    device = micro_batches[0]["labels"].device
+    device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
                          grid.group("dp"))
     global_tokens = max(tokens.item(), 1.0)
