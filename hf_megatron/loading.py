@@ -1,7 +1,7 @@
 """`hf_megatron.from_pretrained`: a transformers model (object, folder or Hub id) -> GPTModel.
 
 Weights go through the same per-architecture mapping the converters use
-(`hf_megatron.conversion.mappings`), then are sharded for this rank's TP/PP position.
+(`hf_megatron.architectures`), then are sharded for this rank's TP/PP position.
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from .architectures import hf_to_mcore
 from .config import ModelConfig
-from .conversion.mappings import hf_to_mcore
 from .model.gpt import GPTModel
 
 
