@@ -1,5 +1,6 @@
 """hf_megatron: Megatron-style parallel training for Hugging Face transformers models."""
 from .config import ConfigError, ModelConfig
+from . import architectures  # noqa: F401  (installs the HF config reader of ModelConfig.from_hf)
 from .loading import from_pretrained
 from .model import GPTModel
 

@@ -1,9 +1,9 @@
-"""One ModelConfig for every supported architecture, built from a transformers config.
+"""One architecture-neutral ModelConfig (Megatron's vocabulary) and its validation.
 
-A per-architecture *adapter* reads the fields of one HF config class and fills the
-architecture-neutral `ModelConfig`.  Adding an architecture (gpt_neox, gemma, phi3,
-...) means writing one adapter function and registering it in `ADAPTERS`, plus its
-weight mapping in `hf_megatron/conversion/mappings.py`.
+What a family's HF config means lives in `hf_megatron.architectures` (one record per family),
+which sits *above* this module.  So `ModelConfig.from_hf` reads an HF config through a reader
+that the architectures package installs when it is imported (`hf_megatron/__init__.py` imports
+it): the dependency points down, and config.py names no family.
 """
 from __future__ import annotations
 
@@ -11,10 +11,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from .errors import ConfigError  # re-exported
+
+# HF config dict -> ModelConfig keyword arguments; installed by hf_megatron.architectures
+_hf_reader: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
-from .errors import ConfigError  # noqa: E402  (re-exported)
+def install_hf_reader(reader: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Set the function `ModelConfig.from_hf` uses to read an HF config (hf_megatron.architectures')."""
+    global _hf_reader
+    _hf_reader = reader
 
 
 @dataclass
@@ -92,121 +98,8 @@ class ModelConfig:
     def from_hf(cls, hf_config: Any, **overrides: Any) -> "ModelConfig":
         """Build from a `transformers.PretrainedConfig` (or its `to_dict()`)."""
         data = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-        model_type = data.get("model_type")
-        adapter = ADAPTERS.get(model_type)
-        if adapter is None:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(ADAPTERS))}"
-            )
-        kwargs = adapter(data)
+        if _hf_reader is None:  # only when hf_megatron.config is loaded without its package
+            raise ConfigError("no architectures are registered; import hf_megatron.architectures")
+        kwargs = _hf_reader(data)
         kwargs.update(overrides)
-        return cls(model_type=model_type, hf_config=dict(data), **kwargs)
-
-
-# ---------------------------------------------------------------------------- adapters
-
-
-def _rope_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """Read RoPE settings from transformers >= 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
-    params = dict(data.get("rope_parameters") or {})
-    if not params:
-        params = dict(data.get("rope_scaling") or {})
-        if "rope_theta" in data:
-            params["rope_theta"] = data["rope_theta"]
-    theta = float(params.pop("rope_theta", data.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(
-            f"unsupported rope type {rope_type!r} (rope_parameters/rope_scaling); "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1.0 is not supported")
-    params["rope_type"] = rope_type
-    params.pop("type", None)
-    return {"rotary_base": theta, "rope_scaling": None if rope_type == "default" else params}
-
-
-def _llama_like(data: dict[str, Any]) -> dict[str, Any]:
-    act = data.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ConfigError(f"hidden_act {act!r} is not supported for {data.get('model_type')}; expected 'silu'")
-    bias = bool(data.get("attention_bias", False))
-    return dict(
-        vocab_size=data["vocab_size"],
-        hidden_size=data["hidden_size"],
-        num_layers=data["num_hidden_layers"],
-        num_attention_heads=data["num_attention_heads"],
-        num_query_groups=data.get("num_key_value_heads") or data["num_attention_heads"],
-        kv_channels=data.get("head_dim") or None,
-        ffn_hidden_size=data["intermediate_size"],
-        max_position_embeddings=data.get("max_position_embeddings", 2048),
-        position_embedding_type="rope",
-        normalization="RMSNorm",
-        norm_epsilon=data.get("rms_norm_eps", 1e-6),
-        activation="swiglu",
-        add_qkv_bias=bias,
-        add_proj_bias=bias,
-        add_mlp_bias=bool(data.get("mlp_bias", False)),
-        tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
-        attention_dropout=float(data.get("attention_dropout", 0.0)),
-        init_method_std=data.get("initializer_range", 0.02),
-        **_rope_fields(data),
-    )
-
-
-def _llama(data: dict[str, Any]) -> dict[str, Any]:
-    return _llama_like(data)
-
-
-def _mistral(data: dict[str, Any]) -> dict[str, Any]:
-    kwargs = _llama_like(data)
-    kwargs["sliding_window"] = data.get("sliding_window")
-    return kwargs
-
-
-def _qwen2(data: dict[str, Any]) -> dict[str, Any]:
-    kwargs = _llama_like(data)
-    kwargs.update(add_qkv_bias=True, add_proj_bias=False)  # Qwen2: bias on q/k/v only
-    if data.get("use_sliding_window"):
-        raise ConfigError("qwen2 with use_sliding_window=True is not supported")
-    return kwargs
-
-
-def _gpt2(data: dict[str, Any]) -> dict[str, Any]:
-    act = data.get("activation_function", "gelu_new")
-    acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-    if act not in acts:
-        raise ConfigError(f"gpt2 activation_function {act!r} is not supported; expected one of {sorted(acts)}")
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if data.get(flag):
-            raise ConfigError(f"gpt2 config field {flag}=True is not supported")
-    hidden = data["n_embd"]
-    return dict(
-        vocab_size=data["vocab_size"],
-        hidden_size=hidden,
-        num_layers=data["n_layer"],
-        num_attention_heads=data["n_head"],
-        ffn_hidden_size=data.get("n_inner") or 4 * hidden,
-        max_position_embeddings=data.get("n_positions", 1024),
-        position_embedding_type="learned_absolute",
-        normalization="LayerNorm",
-        norm_epsilon=data.get("layer_norm_epsilon", 1e-5),
-        activation=acts[act],
-        add_qkv_bias=True,
-        add_proj_bias=True,
-        add_mlp_bias=True,
-        tie_word_embeddings=True,  # GPT2LMHeadModel always ties lm_head to wte
-        hidden_dropout=float(data.get("resid_pdrop", 0.0)),
-        attention_dropout=float(data.get("attn_pdrop", 0.0)),
-        embedding_dropout=float(data.get("embd_pdrop", 0.0)),
-        init_method_std=data.get("initializer_range", 0.02),
-    )
-
-
-ADAPTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "gpt2": _gpt2,
-    "llama": _llama,
-    "mistral": _mistral,
-    "qwen2": _qwen2,
-}
+        return cls(model_type=data.get("model_type"), hf_config=dict(data), **kwargs)

@@ -21,9 +21,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .architectures import plan_for
+from .architectures import hf_to_mcore, plan_for
 from .config import ModelConfig
-from .conversion.mappings import hf_to_mcore
 from .errors import CheckpointError
 from .model.gpt import GPTModel
 from .model.init import init_tensor

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_megatron.conversion.mappings import mcore_to_hf
+from hf_megatron.architectures import mcore_to_hf
 from tiny import VOCAB, engine_batch, merge_shards, tiny_hf_model
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEQ = 20, 8, 2, 16

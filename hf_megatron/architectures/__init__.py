@@ -1,7 +1,90 @@
-"""Per model family knowledge: config adapter, parallel plan, weight mapping, HF class names."""
+"""Per model family knowledge, one `Architecture` record (one file) per family.
+
+A record holds the family's HF config adapter, HF class names, parallel plan, weight-mapping
+table (both directions derived from it) and its recognition from Megatron-LM flags; see
+`base.py`.  Adding a family (gemma, phi3, qwen3, ...) is one file defining a record plus one
+line in `_BUILTIN` below.
+
+Importing this package installs `config_fields` as `ModelConfig.from_hf`'s reader (config.py
+sits below this package and must not import it); `hf_megatron/__init__.py` imports it.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from .. import config as _config
+from ..config import ConfigError, ModelConfig
+from .base import Architecture, Getter, MegatronArgs, Pair, Row, Transform
+from .gpt2 import GPT2
+from .llama import LLAMA
+from .mistral import MISTRAL
 from .plan import Shard, gpt_plan
+from .qwen2 import QWEN2
+
+_BUILTIN = (GPT2, LLAMA, MISTRAL, QWEN2)
+REGISTRY: dict[str, Architecture] = {arch.model_type: arch for arch in _BUILTIN}
+SUPPORTED = REGISTRY.keys()  # a live view: also lists families registered later
 
 
-def plan_for(config):
+def register(arch: Architecture) -> Architecture:
+    """Add a family (e.g. from outside the package); a model_type registers once."""
+    if arch.model_type in REGISTRY:
+        raise ValueError(f"model_type {arch.model_type!r} is already registered")
+    REGISTRY[arch.model_type] = arch
+    return arch
+
+
+def get(model_type: str | None) -> Architecture:
+    try:
+        return REGISTRY[model_type]
+    except KeyError:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED))}") from None
+
+
+def config_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig keyword arguments for an HF config dict (its family's adapter)."""
+    return get(data.get("model_type")).adapter(data)
+
+
+_config.install_hf_reader(config_fields)
+
+
+def config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config, **overrides)
+
+
+def plan_for(config: ModelConfig) -> dict[str, Shard]:
     """The parallel plan of config's architecture family."""
-    return gpt_plan(config)
+    return get(config.model_type).plan(config)
+
+
+def hf_to_mcore(get_hf: Getter, config: ModelConfig, layers=None) -> Iterator[Pair]:
+    """Yield full megatron-core tensors from HF tensors (`get_hf(hf_name)`); `layers`: the global
+    layer numbers to convert (default all) -- embeddings, final norm and output always come."""
+    return get(config.model_type).hf_to_mcore(get_hf, config, layers)
+
+
+def mcore_to_hf(get_mcore: Getter, config: ModelConfig, layers=None) -> Iterator[Pair]:
+    """Yield HF tensors from full megatron-core tensors (`get_mcore(mcore_name)`); vocab unpadded by caller."""
+    return get(config.model_type).mcore_to_hf(get_mcore, config, layers)
+
+
+def hf_class_name(model_type: str) -> str:
+    """The transformers causal-LM class written to config.json `architectures`."""
+    return get(model_type).hf_class
+
+
+def hf_config_from_megatron_args(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
+    """A transformers config dict for a checkpoint written by Megatron-LM (no `hf_config` in it):
+    the first registered family whose recogniser claims the flags."""
+    view = MegatronArgs(args, vocab_size)
+    for arch in REGISTRY.values():
+        fields = arch.from_megatron_args(view) if arch.from_megatron_args else None
+        if fields is not None:
+            return {"model_type": arch.model_type, "architectures": [arch.hf_class], **fields}
+    raise ConfigError(f"checkpoint architecture ({view.describe()}) matches none of {', '.join(SUPPORTED)}")
+
+
+__all__ = ["Architecture", "ConfigError", "MegatronArgs", "REGISTRY", "Row", "SUPPORTED", "Shard", "Transform",
+           "config_fields", "config_from_hf", "get", "gpt_plan", "hf_class_name", "hf_config_from_megatron_args",
+           "hf_to_mcore", "mcore_to_hf", "plan_for", "register"]

@@ -1,2 +1,2 @@
-"""Weight mappings and checkpoint conversion (HF <-> Megatron).  The `conversion/` folder at
-the repository root holds only thin command scripts over this package."""
+"""Checkpoint conversion (HF <-> Megatron), on the weight mappings of `hf_megatron.architectures`.
+The `conversion/` folder at the repository root holds only thin command scripts over this package."""

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from ..architectures import hf_to_mcore
 from ..config import ModelConfig
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
-from .mappings import hf_to_mcore
 from .megatron_ckpt import open_megatron
 from .megatron_files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
 from .megatron_writer import write_megatron

@@ -18,13 +18,11 @@ from typing import Callable
 
 import torch
 
+from ..architectures import hf_class_name, mcore_to_hf
 from ..config import ModelConfig
 from .hf_io import TOKENIZER_FILES
 from .layout import full_shapes
-from .mappings import mcore_to_hf
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -32,7 +30,7 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 def write_hf_config(out_dir: Path, config: ModelConfig, dtype: torch.dtype, generation_config: dict | None) -> None:
     from transformers import CONFIG_MAPPING, GenerationConfig
     data = dict(config.hf_config)
-    data.setdefault("architectures", [ARCHITECTURES[config.model_type]])
+    data.setdefault("architectures", [hf_class_name(config.model_type)])
     hf_config = CONFIG_MAPPING[config.model_type].from_dict(data)
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)

@@ -1,0 +1,77 @@
+"""GPT-2: LayerNorm with biases, learned absolute positions, GELU, tied embeddings.
+
+HF's GPT-2 uses Conv1D layers, whose weights are stored [in, out]: transposed to megatron-core's
+Linear [out, in]; c_attn is one packed [q; k; v] tensor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigError
+from .base import IDENTITY, PACKED_QKV, TRANSPOSE, Architecture, MegatronArgs, Row, Transform
+
+L, H = "decoder.layers.{i}.", "transformer.h.{i}."
+
+
+def _weight_and_bias(mcore: str, hf: str, weight_transform: Transform = IDENTITY) -> tuple[Row, Row]:
+    return Row(mcore + ".weight", hf + ".weight", weight_transform), Row(mcore + ".bias", hf + ".bias")
+
+
+WEIGHTS = (
+    Row("embedding.word_embeddings.weight", "transformer.wte.weight"),
+    Row("embedding.position_embeddings.weight", "transformer.wpe.weight"),
+    *_weight_and_bias(L + "input_layernorm", H + "ln_1"),
+    Row(L + "self_attention.linear_qkv.weight", H + "attn.c_attn.weight", TRANSPOSE.then(PACKED_QKV)),
+    Row(L + "self_attention.linear_qkv.bias", H + "attn.c_attn.bias", PACKED_QKV),
+    *_weight_and_bias(L + "self_attention.linear_proj", H + "attn.c_proj", TRANSPOSE),
+    *_weight_and_bias(L + "pre_mlp_layernorm", H + "ln_2"),
+    *_weight_and_bias(L + "mlp.linear_fc1", H + "mlp.c_fc", TRANSPOSE),
+    *_weight_and_bias(L + "mlp.linear_fc2", H + "mlp.c_proj", TRANSPOSE),
+    *_weight_and_bias("decoder.final_layernorm", "transformer.ln_f"),
+)
+
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _fields(data: dict[str, Any]) -> dict[str, Any]:
+    act = data.get("activation_function", "gelu_new")
+    if act not in _ACTIVATIONS:
+        raise ConfigError(f"gpt2 activation_function {act!r} is not supported; expected one of {sorted(_ACTIVATIONS)}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if data.get(flag):
+            raise ConfigError(f"gpt2 config field {flag}=True is not supported")
+    hidden = data["n_embd"]
+    return dict(
+        vocab_size=data["vocab_size"],
+        hidden_size=hidden,
+        num_layers=data["n_layer"],
+        num_attention_heads=data["n_head"],
+        ffn_hidden_size=data.get("n_inner") or 4 * hidden,
+        max_position_embeddings=data.get("n_positions", 1024),
+        position_embedding_type="learned_absolute",
+        normalization="LayerNorm",
+        norm_epsilon=data.get("layer_norm_epsilon", 1e-5),
+        activation=_ACTIVATIONS[act],
+        add_qkv_bias=True,
+        add_proj_bias=True,
+        add_mlp_bias=True,
+        tie_word_embeddings=True,  # GPT2LMHeadModel always ties lm_head to wte
+        hidden_dropout=float(data.get("resid_pdrop", 0.0)),
+        attention_dropout=float(data.get("attn_pdrop", 0.0)),
+        embedding_dropout=float(data.get("embd_pdrop", 0.0)),
+        init_method_std=data.get("initializer_range", 0.02),
+    )
+
+
+def _from_megatron_args(args: MegatronArgs) -> dict[str, Any] | None:
+    if not (args.normalization == "LayerNorm" and args.positions == "learned_absolute" and not args.swiglu):
+        return None
+    if not args.bias_linear:
+        raise ConfigError("GPT-style checkpoint without linear biases (add_bias_linear=False) has no HF equivalent")
+    return dict(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.num_layers, n_head=args.heads,
+                n_inner=args.ffn, n_positions=args.max_positions, layer_norm_epsilon=args.eps,
+                activation_function="gelu_new" if args.get("openai_gelu") else "gelu",
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+GPT2 = Architecture("gpt2", ("GPT2LMHeadModel",), _fields, WEIGHTS, from_megatron_args=_from_megatron_args)
