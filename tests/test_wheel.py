@@ -4,6 +4,7 @@ elsewhere, no PYTHONPATH, no .pth files, so no editable install either).  There 
 must resolve to files inside the installed package, and `hf_megatron.kernels.compile_check` must
 hand exactly those files to its compilers (stand-in nvcc / c++ that record their arguments, so the
 test takes seconds; the real compile is `python -m hf_megatron.kernels.compile_check`).  About 5 s."""
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -18,7 +19,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TREE = ("pyproject.toml", "README.md", "hf_megatron", "csrc")  # what the build reads
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pip") is None, reason="needs pip")
+
+def _setuptools_version() -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in importlib.metadata.version("setuptools").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return ()
+
+
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("pip") is None, reason="needs pip"),
+              pytest.mark.skipif(_setuptools_version() < (70, 1),  # the build runs without isolation
+                                 reason="needs setuptools>=70.1 (the [test] extra installs it)")]
 
 CHECK = r"""
 import json, os, sys
