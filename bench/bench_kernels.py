@@ -1,7 +1,5 @@
 """Fused CUDA kernels vs PyTorch eager vs torch.compile, Llama-3-8B-like shapes in bf16.
 
-(layer_norm, used by GPT-2-style models, is measured on the same [tokens, hidden] activations.)
-
     python bench/bench_kernels.py [--tokens 8192 --hidden 4096 --ffn 14336 --heads 32 --head-dim 128]
 
 Builds the extension on first use (hf_megatron/kernels/build.py).  For each op and pass (forward
@@ -58,9 +56,6 @@ def make_cases(tokens, hidden, ffn, heads, head_dim, dtype):
     def rms_inputs():
         return [rand(tokens, hidden), 1 + 0.1 * rand(hidden)]
 
-    def layer_norm_inputs():
-        return [rand(tokens, hidden), 1 + 0.1 * rand(hidden), 0.1 * rand(hidden)]
-
     def swiglu_inputs():
         return [rand(tokens, 2 * ffn)]
 
@@ -77,10 +72,6 @@ def make_cases(tokens, hidden, ffn, heads, head_dim, dtype):
          lambda x, w: reference.rms_norm_reference(x, w, eps),
          2 * tokens * hidden * e + hidden * e,            # read x, w; write y
          3 * tokens * hidden * e + 2 * hidden * e),       # read dy, x, w; write dx, dw
-        ("layer_norm", layer_norm_inputs, (True, True, True), lambda x, w, b: kernels.layer_norm(x, w, b, eps),
-         lambda x, w, b: reference.layer_norm_reference(x, w, b, eps),
-         2 * tokens * hidden * e + 2 * hidden * e,        # read x, w, b; write y
-         3 * tokens * hidden * e + 3 * hidden * e),       # read dy, x, w; write dx, dw, db
         ("swiglu", swiglu_inputs, (True,), kernels.swiglu, reference.swiglu_reference,
          3 * tokens * ffn * e,                            # read gate, up; write y
          5 * tokens * ffn * e),                           # read dy, gate, up; write d_gate, d_up

@@ -9,10 +9,6 @@ namespace hf_megatron {
 std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& rstd);
-std::vector<at::Tensor> layer_norm_forward(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                           double eps);
-std::vector<at::Tensor> layer_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
-                                            const at::Tensor& mean, const at::Tensor& rstd);
 at::Tensor swiglu_forward(const at::Tensor& x);
 at::Tensor swiglu_backward(const at::Tensor& dy, const at::Tensor& x);
 at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -23,10 +19,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "hf_megatron fused CUDA kernels";
   m.def("rms_norm_forward", &hf_megatron::rms_norm_forward, "RMSNorm forward: x [rows, cols], weight, eps -> (y, rstd)");
   m.def("rms_norm_backward", &hf_megatron::rms_norm_backward, "RMSNorm backward: dy, x, weight, rstd -> (dx, dw)");
-  m.def("layer_norm_forward", &hf_megatron::layer_norm_forward,
-        "LayerNorm forward: x [rows, cols], weight, bias, eps -> (y, mean, rstd)");
-  m.def("layer_norm_backward", &hf_megatron::layer_norm_backward,
-        "LayerNorm backward: dy, x, weight, mean, rstd -> (dx, dw, db)");
   m.def("swiglu_forward", &hf_megatron::swiglu_forward, "SwiGLU forward: x [rows, 2F] -> [rows, F]");
   m.def("swiglu_backward", &hf_megatron::swiglu_backward, "SwiGLU backward: dy [rows, F], x [rows, 2F] -> dx");
   m.def("rotary_forward", &hf_megatron::rotary_forward, "rotary apply: x [b,h,s,d], cos, sin [b|1,s,d] -> y");

@@ -7,20 +7,97 @@
 // Backward, with g = dy * w (fp32):
 //   dx     = r * (g - x_hat * mean_j(g_j * x_hat_j))
 //   dw     = sum_rows dy * round_T(x_hat)
-// Launch scheme and deterministic dw: norm_common.cuh.
+//
+// Forward: one block per row. Backward: a persistent grid; block b walks rows b, b + grid, ...
+// and accumulates per-column dw partials (shared memory when they fit, else its
+// own row of the global partial buffer); sum_partials then adds the grid's partials per column
+// in a fixed order, so weight gradients are bitwise reproducible (no atomics).
+// Partials are laid out pack-major in each row of `cols` floats: element i of pack p lives
+// at i * packs + p, so the 32 lanes of a warp touch 32 consecutive floats.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 
 #include <vector>
 
-#include "norm_common.cuh"
+#include "common.cuh"
 
 namespace hf_megatron {
 namespace {
 
-using norm::kMaxThreads;
-using norm::threads_for;
+constexpr int kMaxThreads = 512;
+constexpr int kReduceRows = 16;  // partial rows summed in parallel by one column of threads
+
+// Threads per row-block: about two packs per thread, one to 16 warps.
+inline int threads_for(int64_t packs) {
+  const int64_t want = round_up_32((packs + 1) / 2);
+  return static_cast<int>(want < 32 ? 32 : (want > kMaxThreads ? kMaxThreads : want));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& weight) {
+  check_cuda_float(x, "rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "rms_norm: x must be a contiguous [rows, cols] tensor");
+  TORCH_CHECK(x.size(1) > 0, "rms_norm: rows must not be empty");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous [cols] tensor, cols = ", x.size(1));
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(),
+              "rms_norm: weight must have x's dtype and device");
+}
+
+// out[col] = sum_b partial[b * row_stride + j], j = col's pack-major index.
+// Block (32, kReduceRows): each thread sums a strided subset of partial rows, then one thread
+// per column adds the kReduceRows results in order.
+template <typename T>
+__global__ void sum_partials_kernel(const float* __restrict__ partial, T* __restrict__ out, int64_t num_partials,
+                                    int64_t row_stride, int64_t cols, int64_t packs, int pack) {
+  __shared__ float tile[kReduceRows][33];
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float acc = 0.f;
+  if (j < cols) {
+    for (int64_t b = threadIdx.y; b < num_partials; b += kReduceRows) acc += partial[b * row_stride + j];
+  }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && j < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < kReduceRows; ++k) total += tile[k][threadIdx.x];
+    out[(j % packs) * pack + j / packs] = static_cast<T>(total);
+  }
+}
+
+// dw = the grid's partial rows summed per column.
+template <typename T>
+void sum_partials(const at::Tensor& partial, at::Tensor& out, int64_t cols, int pack, cudaStream_t stream) {
+  const dim3 block(32, kReduceRows);
+  const unsigned grid = static_cast<unsigned>((cols + 31) / 32);
+  sum_partials_kernel<T><<<grid, block, 0, stream>>>(partial.data_ptr<float>(), out.data_ptr<T>(), partial.size(0),
+                                                     partial.size(1), cols, cols / pack, pack);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+struct PersistentLaunch {
+  int64_t grid;      // blocks (<= rows)
+  int shared_bytes;  // dynamic shared memory per block (0: partials accumulate in global memory)
+};
+
+// Shared memory for `partial_floats` per block when the device allows it (opting in above 48 KB),
+// and as many blocks as fit on the device at once, capped by the row count.
+template <typename Kernel>
+PersistentLaunch persistent_launch(Kernel kernel, int64_t rows, int threads, int64_t partial_floats, int device) {
+  int shared_limit = 0;  // largest dynamic shared memory a block may opt into
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int64_t wanted = partial_floats * static_cast<int64_t>(sizeof(float));
+  const bool in_shared = wanted + 32 * static_cast<int64_t>(sizeof(float)) <= shared_limit;  // + block_sum scratch
+  const int shared_bytes = in_shared ? static_cast<int>(wanted) : 0;
+  if (shared_bytes > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes));
+  }
+  int blocks_per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads, shared_bytes));
+  const int64_t resident = static_cast<int64_t>(sm_count(device)) * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  return {rows < resident ? rows : resident, shared_bytes};
+}
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_forward_kernel(const T* __restrict__ x, const T* __restrict__ weight,
@@ -130,21 +207,21 @@ void launch_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor
   const int threads = threads_for(packs);
   const int device = x.get_device();
   auto kernel = rms_norm_backward_kernel<T, N>;
-  const norm::PersistentLaunch launch = norm::persistent_launch(kernel, rows, threads, cols, device);
+  const PersistentLaunch launch = persistent_launch(kernel, rows, threads, cols, device);
   auto partial = at::empty({launch.grid, cols}, x.options().dtype(at::kFloat));
   auto stream = c10::cuda::getCurrentCUDAStream();
   kernel<<<static_cast<unsigned>(launch.grid), threads, launch.shared_bytes, stream>>>(
       dy.data_ptr<T>(), x.data_ptr<T>(), weight.data_ptr<T>(), rstd.data_ptr<float>(), dx.data_ptr<T>(),
       partial.data_ptr<float>(), rows, cols, launch.shared_bytes > 0);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  norm::sum_partials<T>(partial, {&dw}, cols, N, stream);
+  sum_partials<T>(partial, dw, cols, N, stream);
 }
 
 }  // namespace
 
 // Returns {y [rows, cols], rstd [rows] fp32}.
 std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  norm::check_rows(x, weight, "rms_norm");
+  check_rows(x, weight);
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty_like(x);
   auto rstd = at::empty({x.size(0)}, x.options().dtype(at::kFloat));
@@ -165,7 +242,7 @@ std::vector<at::Tensor> rms_norm_forward(const at::Tensor& x, const at::Tensor& 
 // Returns {dx [rows, cols], dw [cols]}.
 std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight,
                                           const at::Tensor& rstd) {
-  norm::check_rows(x, weight, "rms_norm");
+  check_rows(x, weight);
   TORCH_CHECK(dy.sizes() == x.sizes() && dy.is_contiguous() && dy.scalar_type() == x.scalar_type() &&
                   dy.device() == x.device(),
               "rms_norm: dy must be contiguous with x's shape, dtype and device");

@@ -1,4 +1,4 @@
-"""Fused ops with exact PyTorch fallbacks: `rms_norm`, `layer_norm`, `swiglu`, `apply_rotary`.
+"""Fused ops with exact PyTorch fallbacks: `rms_norm`, `swiglu`, `apply_rotary`.
 
 Each op runs the CUDA kernel from csrc/ when its input is a CUDA tensor that the kernel
 handles (float32/float16/bfloat16, matching dtypes) and the extension builds; otherwise, and
@@ -11,10 +11,9 @@ from __future__ import annotations
 import torch
 
 from .build import enabled, load_extension
-from .reference import (apply_rotary_reference, layer_norm_reference, rms_norm_reference, rotate_half,
-                        swiglu_reference)
+from .reference import apply_rotary_reference, rms_norm_reference, rotate_half, swiglu_reference
 
-__all__ = ["rms_norm", "layer_norm", "swiglu", "apply_rotary", "rotate_half", "kernels_available", "enabled",
+__all__ = ["rms_norm", "swiglu", "apply_rotary", "rotate_half", "kernels_available", "enabled",
            "load_extension"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -35,25 +34,17 @@ def kernels_available() -> bool:
     return torch.cuda.is_available() and enabled() and load_extension() is not None
 
 
-def _norm_params_fit(x: torch.Tensor, param: torch.Tensor | None) -> bool:
-    return (param is not None and param.dtype == x.dtype and param.device == x.device and param.dim() == 1
-            and x.dim() >= 1 and x.shape[-1] == param.shape[0])
+def _norm_weight_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    return (weight is not None and weight.dtype == x.dtype and weight.device == x.device and weight.dim() == 1
+            and x.dim() >= 1 and x.shape[-1] == weight.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x * rsqrt(mean(x^2, -1) + eps)) with fp32 statistics; x [..., h], weight [h]."""
-    if _norm_params_fit(x, weight) and _kernel_ready(x):
+    if _norm_weight_fits(x, weight) and _kernel_ready(x):
         from .functions import FusedRMSNorm
         return FusedRMSNorm.apply(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """F.layer_norm over the last dim (fp32 statistics, biased variance); x [..., h], weight/bias [h]."""
-    if _norm_params_fit(x, weight) and _norm_params_fit(x, bias) and _kernel_ready(x):
-        from .functions import FusedLayerNorm
-        return FusedLayerNorm.apply(x, weight, bias, eps)
-    return layer_norm_reference(x, weight, bias, eps)
 
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:

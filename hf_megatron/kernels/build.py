@@ -1,5 +1,9 @@
 """Build-on-first-use of the CUDA extension in `csrc/` (torch.utils.cpp_extension.load + ninja).
 
+The sources are found through the package: `hf_megatron/csrc/` in an installed wheel (the top-level
+csrc/ shipped as package data, see pyproject.toml), else the repository's `csrc/` beside
+`hf_megatron/` (a checkout or an editable install).  Nothing is compiled at install time.
+
 The first call to `load_extension()` in a process compiles (or finds already compiled) the
 sources into a per-environment cache folder:
 
@@ -26,7 +30,16 @@ import torch
 
 EXTENSION_NAME = "hf_megatron_kernels"
 ENV_SWITCH = "HF_MEGATRON_KERNELS"
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+def csrc_directory() -> Path:
+    """The folder holding bindings.cpp: the installed package's csrc/, else the source tree's."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "csrc", package.parent / "csrc"):
+        if (candidate / "bindings.cpp").is_file():
+            return candidate
+    return package / "csrc"  # neither: _build names the missing files
+
+
+CSRC = csrc_directory()
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -40,13 +53,14 @@ def enabled() -> bool:
 
 
 def source_files() -> list[Path]:
+    """The translation units: every csrc/*.cu (nvcc) and bindings.cpp (host compiler)."""
     return sorted(CSRC.glob("*.cu")) + [CSRC / "bindings.cpp"]
 
 
 def _headers_digest() -> str:
-    """Hash of csrc/*.cuh, passed as a define: torch hashes only the listed sources and flags."""
+    """Hash of the csrc/ headers, passed as a define: torch hashes only the listed sources and flags."""
     digest = hashlib.sha256()
-    for header in sorted(CSRC.glob("*.cuh")):
+    for header in sorted([*CSRC.glob("*.cuh"), *CSRC.glob("*.h")]):
         digest.update(header.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -77,7 +91,8 @@ def _build():
         raise RuntimeError("ROCm builds of torch are not supported by csrc/")
     missing = [str(p) for p in source_files() if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"CUDA sources not found: {', '.join(missing)} (csrc/ ships with the source tree)")
+        raise FileNotFoundError(f"CUDA sources not found: {', '.join(missing)} "
+                                f"(a wheel ships them in hf_megatron/csrc/, a checkout in csrc/)")
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     logger.info("loading hf_megatron fused kernels from %s (compiled on first use)", directory)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
-from .build import CSRC
+from .build import CSRC, source_files
 
 
 def _cxx_standard() -> str:
@@ -48,7 +48,8 @@ def compile_all(arch: str = "sm_90", ptxas: bool = False, only: list[str] | None
     with tempfile.TemporaryDirectory() as tmp:
         includes = _shim_includes(Path(tmp) / "shim") + [f"-I{p}" for p in cpp_extension.include_paths()]
         includes.append(f"-I{CSRC}")
-        for source in sorted(CSRC.glob("*.cu")):
+        cuda_sources = [p for p in source_files() if p.suffix == ".cu"]
+        for source in cuda_sources:
             if only and source.name not in only:
                 continue
             cmd = [nvcc, _cxx_standard(), f"-arch={arch}", "-O3", "-c", str(source), "-o",

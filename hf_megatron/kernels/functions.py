@@ -2,7 +2,6 @@
 
 Each saves the least that its backward needs:
   RMSNorm: x, weight and the fp32 per-row 1/rms (recomputing x_hat in backward);
-  LayerNorm: x, weight and the fp32 per-row mean and 1/std;
   SwiGLU:  only the fc1 output [gate; up] (silu and sigmoid are recomputed);
   rotary:  only cos and sin (the map is linear in x).
 Backward is not itself differentiable (no double backward), as for megatron-core's fused ops.
@@ -31,25 +30,6 @@ class FusedRMSNorm(torch.autograd.Function):
         rows, weight, rstd = ctx.saved_tensors
         dx, dw = load_extension().rms_norm_backward(dy.reshape(rows.shape).contiguous(), rows, weight, rstd)
         return dx.view(ctx.shape), dw, None
-
-
-class FusedLayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        weight = weight.contiguous()
-        y, mean, rstd = load_extension().layer_norm_forward(rows, weight, bias.contiguous(), float(eps))
-        ctx.save_for_backward(rows, weight, mean, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        rows, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = load_extension().layer_norm_backward(dy.reshape(rows.shape).contiguous(), rows, weight, mean,
-                                                          rstd)
-        return dx.view(ctx.shape), dw, db, None
 
 
 class FusedSwiGLU(torch.autograd.Function):

@@ -4,7 +4,6 @@ These are exactly the expressions hf_megatron.model used before the kernels exis
 transformers uses), op for op, so the CPU path is bitwise unchanged:
 
     rms_norm(x, w, eps)    = w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype),   x32 = x.float()
-    layer_norm(x, w, b, eps) = F.layer_norm over the last dim (what nn.LayerNorm calls)
     swiglu([gate; up])     = silu(gate) * up,   silu(g) = g * sigmoid(g)
     apply_rotary(x, c, s)  = x * c + rotate_half(x) * s,   rotate_half(x) = [-x2, x1]
 """
@@ -19,10 +18,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(input_dtype)
-
-
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
 def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
