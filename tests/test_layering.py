@@ -136,7 +136,6 @@ def _report(edges: list[Edge]) -> str:
     return f"{len(edges)} forbidden import(s):\n" + "\n".join(f"  {edge}" for edge in edges)
 
 
-@pytest.mark.xfail(strict=False, reason="redesign in progress")
 def test_no_module_imports_upward():
     edges = forbidden_edges(Path(__file__).resolve().parents[1])
     assert not edges, _report(edges)

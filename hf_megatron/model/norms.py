@@ -22,6 +22,6 @@ class RMSNorm(nn.Module):
 def make_norm(config, dtype=None, device=None) -> nn.Module:
     if config.normalization == "RMSNorm":
         return RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
-    # PyTorch's own LayerNorm: on an H200 it beat our fused csrc/layer_norm.cu (0.76x forward,
-    # 0.91x forward+backward in bench/bench_kernels.py, 2026-11-30), so the model keeps it
+    # PyTorch's own LayerNorm: on an H200 it beat a fused LayerNorm kernel of ours (0.76x forward,
+    # 0.91x forward+backward, bench/RESULTS.md 2026-11-30), which was therefore deleted
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
