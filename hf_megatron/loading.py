@@ -23,6 +23,7 @@ from torch import nn
 
 from .architectures import hf_to_mcore, plan_for
 from .config import ModelConfig
+from .conversion.hf_io import HFCheckpoint
 from .errors import CheckpointError
 from .model.gpt import GPTModel
 from .model.init import init_tensor
@@ -49,7 +50,6 @@ def _hf_source(source: Any) -> tuple[dict, Callable[[str], torch.Tensor]]:
                 raise CheckpointError(f"the given model has no tensor {name!r}") from None
 
         return source.config.to_dict(), get
-    from .conversion.hf_io import HFCheckpoint
     checkpoint = HFCheckpoint(source)
     return checkpoint.config, checkpoint.get
 
