@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
+
 PROMPT_LEN = 16
 DEFAULT_TOL = 1e-4
 
 
-class VerifyError(ValueError):
-    """Converted logits differ from the source's."""
+class VerifyError(CheckpointError):
+    """Converted logits differ from the source's: the conversion is wrong and its output is not written."""
 
 
 @dataclass

@@ -86,6 +86,9 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from ..data.builder import build_gpt_datasets
     from .checkpoint import load_checkpoint, save_checkpoint
 
+    if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
+        raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
+                          f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
     device = init_distributed()
     trainer.setup_parallel(cfg)
     grid = state.get_state()
