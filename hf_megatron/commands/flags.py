@@ -27,10 +27,6 @@ def _value_type(annotation) -> tuple[type, bool]:
     return annotation, False
 
 
-def _default_text(value) -> str:
-    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-
-
 def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
     """One flag per field of `config_classes`, in argument groups named by the fields' metadata."""
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -38,7 +34,8 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             meta = f.metadata
-            group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
             kind, is_list = _value_type(hints[f.name])
             kwargs: dict = {"dest": f.name, "help": meta["help"].replace("%", "%%")}
             required = f.default is dataclasses.MISSING or meta["cli_required"]
@@ -53,8 +50,8 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
                     kwargs["nargs"] = "+"
                 kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else METAVARS.get(kind)
                 if not required and f.default is not None and "(default" not in meta["help"]:
-                    kwargs["help"] += f" (default: {_default_text(f.default)})"
-            group.add_argument(flag_of(f.name), **kwargs)
+                    kwargs["help"] += f" (default: {f.default})"
+            groups[meta["group"]].add_argument(flag_of(f.name), **kwargs)
 
 
 def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import operator
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from ..parallel import state
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below", "<", operator.lt))
 
 
 def option(default: Any = MISSING, *, help: str, group: str, choices: tuple | None = None,
@@ -52,19 +54,19 @@ def check_fields(config) -> None:
         value, meta = getattr(config, f.name), f.metadata
         if value is None and "None" not in str(f.type):  # annotations are strings here
             _fail(config, f.name, "a value (this field cannot be unset)", value)
+        if f.type == "bool" and not isinstance(value, bool):
+            _fail(config, f.name, "True or False", value)
         if value is None or isinstance(value, bool):
             continue
         if meta.get("choices") and value not in meta["choices"]:
             _fail(config, f.name, f"one of {', '.join(meta['choices'])}", value)
-        bounds = [(meta.get("at_least"), ">=", lambda v, b: v >= b), (meta.get("above"), ">", lambda v, b: v > b),
-                  (meta.get("below"), "<", lambda v, b: v < b)]
-        wanted = " and ".join(f"{op} {bound}" for bound, op, _ in bounds if bound is not None)
+        bounds = [(meta[key], symbol, test) for key, symbol, test in BOUNDS if meta.get(key) is not None]
         try:
-            ok = all(test(value, bound) for bound, _, test in bounds if bound is not None)
+            ok = all(test(value, bound) for bound, _, test in bounds)
         except TypeError:  # e.g. a string from a YAML file
             ok = False
         if not ok:
-            _fail(config, f.name, f"a number {wanted}", value)
+            _fail(config, f.name, "a number " + " and ".join(f"{symbol} {bound}" for bound, symbol, _ in bounds), value)
 
 
 @dataclass
