@@ -4,12 +4,18 @@ Each verb lives in its own module exposing ``add_parser(subparsers)``; the
 parser it registers carries ``func=<callable(args) -> int>``.  Verbs are
 imported lazily so that `hf-megatron --help` stays fast and a broken optional
 dependency of one verb never breaks the others.
+
+Errors: a `hf_megatron.errors.HFMegatronError` (bad user input) is printed as one line
+`hf-megatron <verb>: error: ...` with exit status 2; every other exception is a bug and keeps
+its traceback.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+
+from .errors import HFMegatronError
 
 # verb module paths, in the order they appear in --help
 VERB_MODULES = [
@@ -19,10 +25,6 @@ VERB_MODULES = [
     "hf_megatron.commands.reshard",
     "hf_megatron.commands.push",
 ]
-
-
-class UserError(Exception):
-    """A bad input from the user: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (UserError, FileNotFoundError, ValueError) as exc:
+    except HFMegatronError as exc:  # bad user input: one line; anything else is a bug and keeps its traceback
         print(f"hf-megatron {args.verb}: error: {exc}", file=sys.stderr)
         return 2
 

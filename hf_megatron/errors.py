@@ -26,3 +26,7 @@ class DataError(HFMegatronError, ValueError):
 
 class ParallelConfigError(HFMegatronError, ValueError):
     """Parallel degrees that do not fit the world size or the model."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+    """A dataset file, corpus input or tokenizer file that does not exist (still a FileNotFoundError)."""

@@ -11,6 +11,11 @@ when complete.  --verify compares logits of source and result on a fixed prompt.
 from __future__ import annotations
 
 import argparse
+import re
+
+from ..errors import ConfigError
+
+SHARD_SIZE = re.compile(r"\s*\d+(\.\d*)?\s*[KMGT]B\s*", re.IGNORECASE)
 
 
 def add_parser(subparsers) -> None:
@@ -56,6 +61,9 @@ def run_to_megatron(args) -> int:
 
 def run_to_hf(args) -> int:
     from hf_megatron.conversion.convert import megatron_to_hf
+    if not SHARD_SIZE.fullmatch(args.max_shard_size):  # huggingface_hub's format, checked before any work
+        raise ConfigError(f"--max-shard-size: expected a size like 5GB or 500MB (units KB, MB, GB, TB), "
+                          f"got {args.max_shard_size!r}")
     _print_report(megatron_to_hf(args.megatron, args.out, args.dtype, args.tokenizer, args.max_shard_size,
                                  args.verify, args.vocab_size))
     return 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ConfigError
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -49,16 +51,16 @@ def _train_tokenizer(args) -> None:
     from hf_megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
 
     if not args.tokenizer_model or not args.vocab_size:
-        raise ValueError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
+        raise ConfigError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
     chunks = plan_chunks(expand_inputs(args.input), 1, 1 << 62, args.split)
     texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
     if args.train_tokenizer == "bpe":
         if args.tokenizer_type != "HuggingFaceTokenizer":
-            raise ValueError("--train-tokenizer bpe saves a transformers tokenizer: use --tokenizer-type HuggingFaceTokenizer")
+            raise ConfigError("--train-tokenizer bpe saves a transformers tokenizer: use --tokenizer-type HuggingFaceTokenizer")
         train_bpe_tokenizer(texts, args.vocab_size, args.tokenizer_model)
     else:
         if args.tokenizer_type not in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
-            raise ValueError("--train-tokenizer sentencepiece needs a SentencePiece --tokenizer-type")
+            raise ConfigError("--train-tokenizer sentencepiece needs a SentencePiece --tokenizer-type")
         prefix = args.tokenizer_model[:-len(".model")] if args.tokenizer_model.endswith(".model") else args.tokenizer_model
         args.tokenizer_model = train_sentencepiece_tokenizer(texts, args.vocab_size, prefix)
 

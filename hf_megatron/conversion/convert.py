@@ -19,6 +19,7 @@ import torch
 
 from ..architectures import hf_to_mcore
 from ..config import ModelConfig
+from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
 from .megatron_ckpt import open_megatron
@@ -37,7 +38,7 @@ def parse_dtype(name: str | None) -> torch.dtype | None:
     try:
         return DTYPES[name]
     except KeyError:
-        raise ValueError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {name!r}") from None
+        raise ConfigError(f"--dtype must be one of {', '.join(sorted(DTYPES))}, got {name!r}") from None
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -86,7 +87,7 @@ def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: s
     out_dtype = target or _stored_dtype(ckpt)
     tokenizer_src = Path(tokenizer) if tokenizer else _megatron_root(Path(megatron)) / TOKENIZER_SUBDIR
     if tokenizer and not tokenizer_src.is_dir():
-        raise FileNotFoundError(f"{tokenizer_src}: tokenizer folder not found")
+        raise CheckpointError(f"{tokenizer_src}: tokenizer folder not found (--tokenizer)")
     report: dict[str, Any] = {"out": str(out), "dtype": str(out_dtype).replace("torch.", "")}
     with StagingDir(out) as staging:
         report.update(write_hf_weights(staging.path, ckpt.config, ckpt.get, out_dtype, max_shard_size))

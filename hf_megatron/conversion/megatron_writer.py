@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..config import ModelConfig
+from ..errors import ParallelConfigError
 from .layout import split_tensor
 from .megatron_args import build_args
 from .megatron_files import MODEL_FILE, rank_dir_name
@@ -27,17 +28,17 @@ Source = Callable[[Iterable[int]], Iterator[tuple[str, torch.Tensor]]]
 
 def check_layout(config: ModelConfig, tp: int, pp: int, vpp: int | None) -> None:
     if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
-        raise ValueError(f"tp, pp and vpp must be >= 1 (got tp={tp}, pp={pp}, vpp={vpp})")
+        raise ParallelConfigError(f"tp, pp and vpp must be >= 1 (got tp={tp}, pp={pp}, vpp={vpp})")
     if vpp and vpp > 1 and pp == 1:
-        raise ValueError("--vpp needs --pp > 1 (virtual stages interleave pipeline stages)")
+        raise ParallelConfigError("--vpp needs --pp > 1 (virtual stages interleave pipeline stages)")
     chunks = pp * (vpp or 1)
     for what, value in (("num_attention_heads", config.num_attention_heads),
                         ("num_query_groups (num_key_value_heads)", config.num_query_groups),
                         ("ffn_hidden_size", config.ffn_hidden_size)):
         if value % tp:
-            raise ValueError(f"{what}={value} is not divisible by tp={tp}")
+            raise ParallelConfigError(f"{what}={value} is not divisible by tp={tp}")
     if config.num_layers % chunks:
-        raise ValueError(f"num_layers={config.num_layers} is not divisible by pp x vpp = {chunks}")
+        raise ParallelConfigError(f"num_layers={config.num_layers} is not divisible by pp x vpp = {chunks}")
 
 
 def chunk_layers(config: ModelConfig, pp: int, vpp: int, stage: int, chunk: int) -> range:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from ..model.gpt import GPTModel
 from ..parallel.sharding import load_full_weights
 
@@ -20,8 +21,8 @@ PROMPT_LEN = 16
 DEFAULT_TOL = 1e-4
 
 
-class VerifyError(ValueError):
-    """Converted logits differ from the source's."""
+class VerifyError(CheckpointError):
+    """Converted logits differ from the source's: the conversion is wrong and its output is not written."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from ..errors import DataError
 from . import compiled
 
 
@@ -57,7 +58,7 @@ def build_blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16[size], dataset_sample_index int64[size]) for normalised ``weights``."""
     weights = [float(w) for w in weights]
     if len(weights) >= 32767:
-        raise ValueError(f"at most 32766 datasets can be blended, got {len(weights)}")
+        raise DataError(f"at most 32766 datasets can be blended, got {len(weights)}")
     return _largest_deficit(weights, int(size), None)
 
 

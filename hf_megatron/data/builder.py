@@ -15,6 +15,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from ..errors import DataError
 from .blending import normalize
 from .gpt_dataset import BlendedDataset, GPTDataset
 from .indexed import IndexedDataset
@@ -30,7 +31,7 @@ def parse_blend(blend: Blend) -> tuple[list[str], list[float] | None]:
     else:
         items = blend.split() if isinstance(blend, str) else [str(b) for b in blend]
         if not items:
-            raise ValueError("data path / blend is empty: expected 'prefix' or 'w1 prefix1 w2 prefix2 ...'")
+            raise DataError("--data-path / blend is empty: expected 'prefix' or 'w1 prefix1 w2 prefix2 ...'")
         weights = None
         if len(items) % 2 == 0:
             try:
@@ -41,7 +42,7 @@ def parse_blend(blend: Blend) -> tuple[list[str], list[float] | None]:
         if weights is None:
             prefixes = items
     if weights is not None and len(weights) != len(prefixes):
-        raise ValueError(f"blend has {len(prefixes)} prefixes but {len(weights)} weights")
+        raise DataError(f"--data-path blend has {len(prefixes)} prefixes but {len(weights)} weights")
     return [p.strip() for p in prefixes], weights
 
 
@@ -49,7 +50,7 @@ def split_bookends(split: str) -> list[tuple[float, float] | None]:
     """"969,30,1" -> [(0, .969), (.969, .999), (.999, 1.0)]; a zero share gives None."""
     values = [float(v) for v in re.findall(r"[.0-9]+", split)]
     if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"split {split!r}: expected up to three non-negative numbers like '969,30,1'")
+        raise DataError(f"--split {split!r}: expected up to three non-negative numbers like '969,30,1'")
     fractions = normalize(values + [0.0] * (3 - len(values)))
     ends = list(accumulate([0] + fractions))
     return [(ends[i], ends[i + 1]) if ends[i + 1] > ends[i] else None for i in range(3)]
@@ -97,7 +98,7 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     indexed = [_open(p) for p in prefixes]
     for other in indexed[1:]:
         if other.dtype != indexed[0].dtype:
-            raise ValueError(f"{other.idx_file}: token dtype {other.dtype.name} differs from "
+            raise DataError(f"{other.idx_file}: token dtype {other.dtype.name} differs from "
                              f"{indexed[0].idx_file}'s {indexed[0].dtype.name}; blended prefixes must "
                              "come from one tokenizer")
     if len(prefixes) == 1 and weights is None:

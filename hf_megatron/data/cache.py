@@ -15,6 +15,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..errors import DataNotFoundError
+
 CACHE_FORMAT = 1
 
 
@@ -70,6 +72,6 @@ def cached_arrays(cache_dir: str | None, kind: str, split: str, description: dic
         return built, digest
     missing = [p for p in [desc_path, *paths] if not os.path.isfile(p)]
     if missing:
-        raise FileNotFoundError(f"{missing[0]}: index cache file missing after rank 0 built it "
-                                "(is the cache directory shared by all ranks?)")
+        raise DataNotFoundError(f"{missing[0]}: index cache file missing after rank 0 built it "
+                                "(is the cache directory, --data-cache-path, shared by all ranks?)")
     return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths), digest

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from ..errors import DataError
 from .blending import build_blending_indices, build_exhaustive_blending_indices, normalize
 from .cache import cached_arrays
 from .gpt_indices import build_gpt_indices
@@ -47,7 +48,7 @@ class GPTDataset:
         def build():
             tokens = int(indexed.sequence_lengths[documents].sum(dtype=np.int64))
             if tokens <= self.extra:
-                raise ValueError(f"{indexed.idx_file}: the {split} split has {len(documents)} sequences "
+                raise DataError(f"{indexed.idx_file}: the {split} split has {len(documents)} sequences "
                                  f"and {tokens} tokens, too few for any sample (give it more documents "
                                  "or a larger share in the split string)")
             return build_gpt_indices(indexed.sequence_lengths, documents, num_samples, self.seq_length,
@@ -89,9 +90,9 @@ class BlendedDataset:
     def __init__(self, datasets: list[GPTDataset], weights: list[float], size: int | None,
                  split: str = "train", cache_dir: str | None = None):
         if len(datasets) != len(weights):
-            raise ValueError(f"blend has {len(datasets)} datasets but {len(weights)} weights")
+            raise DataError(f"blend has {len(datasets)} datasets but {len(weights)} weights")
         if any(w <= 0 for w in weights):
-            raise ValueError(f"blend weights must be positive, got {list(weights)}")
+            raise DataError(f"blend weights must be positive, got {list(weights)}")
         self.datasets = datasets
         self.weights = normalize(weights) if size is not None else [int(w) for w in weights]
         self.size = size
@@ -105,7 +106,7 @@ class BlendedDataset:
             counts = np.bincount(dataset_index, minlength=len(datasets))
             for i, (needed, dataset) in enumerate(zip(counts, datasets)):
                 if needed > len(dataset):
-                    raise ValueError(f"{dataset.indexed.prefix}: the {split} blend needs {needed} samples "
+                    raise DataError(f"{dataset.indexed.prefix}: the {split} blend needs {needed} samples "
                                      f"from it but it has {len(dataset)} (raise mid_level_surplus)")
             return dataset_index, sample_index
 

@@ -24,6 +24,8 @@ import math
 
 import numpy as np
 
+from ..errors import DataError
+
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
@@ -32,7 +34,7 @@ def num_epochs_needed(tokens_per_epoch: int, num_samples: int | None, seq_length
     if num_samples is None:
         return 1
     if tokens_per_epoch <= 0:
-        raise ValueError(f"the split has no tokens but {num_samples} samples were requested "
+        raise DataError(f"the split has no tokens but {num_samples} samples were requested "
                          "(give it more documents or a larger share in the split string)")
     requested = num_samples * seq_length + extra
     return max(1, -(-requested // tokens_per_epoch))

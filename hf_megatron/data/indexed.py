@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import DataError, DataNotFoundError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # = 34
@@ -50,16 +52,16 @@ def _read_header(path: str) -> tuple[np.dtype, int, int]:
         with open(path, "rb") as stream:
             head = stream.read(HEADER_BYTES)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
+        raise DataNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
-        raise ValueError(f"{path}: not a Megatron MMIDIDX index (wrong magic {head[:9]!r}, expected {MAGIC!r})")
+        raise DataError(f"{path}: not a Megatron MMIDIDX index (wrong magic {head[:9]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_BYTES:
-        raise ValueError(f"{path}: truncated index header ({len(head)} of {HEADER_BYTES} bytes)")
+        raise DataError(f"{path}: truncated index header ({len(head)} of {HEADER_BYTES} bytes)")
     version, code, seq_count, doc_count = struct.unpack("<QBQQ", head[len(MAGIC):])
     if version != VERSION:
-        raise ValueError(f"{path}: unsupported index version {version}, expected {VERSION}")
+        raise DataError(f"{path}: unsupported index version {version}, expected {VERSION}")
     if code not in DTYPE_CODES:
-        raise ValueError(f"{path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
+        raise DataError(f"{path}: unknown dtype code {code}, expected one of {sorted(DTYPE_CODES)}")
     return np.dtype(DTYPE_CODES[code]), seq_count, doc_count
 
 
@@ -78,7 +80,7 @@ class IndexedDataset:
         expected = HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
         actual = os.path.getsize(self.idx_file)
         if actual < expected:
-            raise ValueError(f"{self.idx_file}: truncated index ({actual} bytes, header promises "
+            raise DataError(f"{self.idx_file}: truncated index ({actual} bytes, header promises "
                              f"{seq_count} sequences and {doc_count} document entries = {expected} bytes)")
         index = np.memmap(self.idx_file, dtype=np.uint8, mode="r")
         self._index_map = index
@@ -86,19 +88,19 @@ class IndexedDataset:
         self.sequence_pointers = np.frombuffer(index, np.int64, seq_count, HEADER_BYTES + 4 * seq_count)
         self.document_indices = np.frombuffer(index, np.int64, doc_count, HEADER_BYTES + 12 * seq_count)
         if not os.path.isfile(self.bin_file):
-            raise FileNotFoundError(f"{self.bin_file}: data file not found (the index {self.idx_file} exists)")
+            raise DataNotFoundError(f"{self.bin_file}: data file not found (the index {self.idx_file} exists)")
         itemsize = self.dtype.itemsize
         needed = int(self.sequence_lengths.astype(np.int64).sum()) * itemsize
         bin_size = os.path.getsize(self.bin_file)
         if bin_size != needed:
             what = "truncated" if bin_size < needed else "longer than its index says"
-            raise ValueError(f"{self.bin_file}: data file {what} ({bin_size} bytes, index {self.idx_file} "
+            raise DataError(f"{self.bin_file}: data file {what} ({bin_size} bytes, index {self.idx_file} "
                              f"describes {needed} bytes of {self.dtype.name})")
         if seq_count and (self.sequence_pointers[0] != 0 or not np.array_equal(
                 np.diff(self.sequence_pointers), self.sequence_lengths[:-1].astype(np.int64) * itemsize)):
-            raise ValueError(f"{self.idx_file}: corrupt index (sequence pointers do not follow the lengths)")
+            raise DataError(f"{self.idx_file}: corrupt index (sequence pointers do not follow the lengths)")
         if doc_count and (self.document_indices[0] != 0 or self.document_indices[-1] != seq_count):
-            raise ValueError(f"{self.idx_file}: corrupt index (document indices must run from 0 to "
+            raise DataError(f"{self.idx_file}: corrupt index (document indices must run from 0 to "
                              f"{seq_count}, found {self.document_indices[0]}..{self.document_indices[-1]})")
         # an empty .bin cannot be memory-mapped
         self._data = np.memmap(self.bin_file, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
@@ -196,7 +198,7 @@ class IndexedDatasetWriter:
         """Append every sequence and document of dataset ``prefix`` (same dtype required)."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"{other.idx_file}: dtype {other.dtype.name} differs from the merged "
+            raise DataError(f"{other.idx_file}: dtype {other.dtype.name} differs from the merged "
                              f"dataset's {self.dtype.name}")
         self._flush_pending()
         self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
@@ -232,7 +234,7 @@ class IndexedDatasetWriter:
 def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> None:
     """Concatenate several datasets (all of one dtype) into ``output_prefix``, in order."""
     if not prefixes:
-        raise ValueError("merge_datasets: no input prefixes given")
+        raise DataError("merge_datasets: no input prefixes given")
     dtype = IndexedDataset(prefixes[0]).dtype
     with IndexedDatasetWriter(output_prefix, dtype) as writer:
         for prefix in prefixes:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sources import expand_inputs, plan_chunks, read_chunk
 from .tokenizers import build_tokenizer
@@ -105,12 +106,12 @@ def _progress(options: PreprocessOptions, total_docs: int | None):
 def preprocess(options: PreprocessOptions) -> dict:
     """Run the whole preprocessing; returns counts and the output prefixes."""
     if not options.json_keys:
-        raise ValueError("--json-keys needs at least one key")
+        raise ConfigError("--json-keys needs at least one key")
     if options.workers < 1 or options.partitions < 1:
-        raise ValueError("--workers and --partitions must be >= 1")
+        raise ConfigError("--workers and --partitions must be >= 1")
     tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
     if options.append_eod and tokenizer.eod is None:
-        raise ValueError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
+        raise DataError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
                          "end-of-document (eos) token")
     dtype_name = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
     paths = expand_inputs(options.inputs)

@@ -12,6 +12,8 @@ import json
 import os
 from typing import Iterator
 
+from ..errors import DataError, DataNotFoundError
+
 JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
 
@@ -20,7 +22,7 @@ def _kind_of(path: str) -> str:
     if os.path.isdir(path):
         if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
             return "hf_disk"
-        raise ValueError(f"{path}: directory is not a datasets dataset saved with save_to_disk "
+        raise DataError(f"{path}: directory is not a datasets dataset saved with save_to_disk "
                          "(no dataset_info.json / dataset_dict.json)")
     lower = path.lower()
     if lower.endswith(".parquet"):
@@ -29,7 +31,7 @@ def _kind_of(path: str) -> str:
         return "text"
     if lower.endswith(JSON_SUFFIXES):
         return "json"
-    raise ValueError(f"{path}: unknown input format (expected .json/.jsonl lines, .txt, .parquet, "
+    raise DataError(f"{path}: unknown input format (expected .json/.jsonl lines, .txt, .parquet, "
                      "or a saved datasets directory)")
 
 
@@ -38,7 +40,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     for pattern in inputs:
         matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
         if not matches or not all(os.path.exists(m) for m in matches):
-            raise FileNotFoundError(f"{pattern}: input not found")
+            raise DataNotFoundError(f"{pattern}: input not found")
         paths.extend(matches)
     return paths
 
@@ -50,7 +52,7 @@ def _load_hf(path: str, split: str | None):
     if isinstance(data, datasets.DatasetDict):
         name = split or ("train" if "train" in data else None)
         if name not in data:
-            raise ValueError(f"{path}: saved DatasetDict has splits {sorted(data)}; choose one with --split")
+            raise DataError(f"{path}: saved DatasetDict has splits {sorted(data)}; choose one with --split")
         data = data[name]
     return data
 
@@ -73,7 +75,7 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
             try:
                 groups = pq.ParquetFile(path).num_row_groups
             except Exception as exc:
-                raise ValueError(f"{path}: cannot read parquet ({exc})") from None
+                raise DataError(f"{path}: cannot read parquet ({exc})") from None
             count = max(1, min(groups, min_chunks_per_file))
             bounds = [groups * i // count for i in range(count + 1)]
             chunks += [(kind, path, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
@@ -105,10 +107,10 @@ def _pick(record: dict, keys: list[str], where: str) -> dict:
     try:
         return {key: record[key] for key in keys}
     except KeyError as exc:
-        raise ValueError(f"{where}: no field {exc.args[0]!r} (have {sorted(record)[:10]}); "
+        raise DataError(f"{where}: no field {exc.args[0]!r} (have {sorted(record)[:10]}); "
                          "set --json-keys") from None
     except TypeError:
-        raise ValueError(f"{where}: expected a JSON object per line") from None
+        raise DataError(f"{where}: expected a JSON object per line") from None
 
 
 def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
@@ -125,7 +127,7 @@ def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
             try:
                 record = json.loads(stripped)
             except ValueError as exc:
-                raise ValueError(f"{path}: byte {position}: invalid JSON line ({exc})") from None
+                raise DataError(f"{path}: byte {position}: invalid JSON line ({exc})") from None
             yield _pick(record, keys, f"{path}: byte {position}"), len(line)
     elif kind == "parquet":
         import pyarrow.parquet as pq
@@ -133,7 +135,7 @@ def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
         parquet = pq.ParquetFile(path)
         missing = [k for k in keys if k not in parquet.schema_arrow.names]
         if missing:
-            raise ValueError(f"{path}: no column {missing[0]!r} (have {parquet.schema_arrow.names}); set --json-keys")
+            raise DataError(f"{path}: no column {missing[0]!r} (have {parquet.schema_arrow.names}); set --json-keys")
         for batch in parquet.iter_batches(row_groups=range(chunk[2], chunk[3]), columns=keys):
             columns = {k: batch.column(k).to_pylist() for k in keys}
             for row in range(batch.num_rows):
@@ -143,7 +145,7 @@ def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
         data = _load_hf(path, chunk[4])
         missing = [k for k in keys if k not in data.column_names]
         if missing:
-            raise ValueError(f"{path}: no column {missing[0]!r} (have {data.column_names}); set --json-keys")
+            raise DataError(f"{path}: no column {missing[0]!r} (have {data.column_names}); set --json-keys")
         for start in range(chunk[2], chunk[3], 1000):
             rows = data[start: min(start + 1000, chunk[3])]
             for i in range(len(rows[keys[0]])):

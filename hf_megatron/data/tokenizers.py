@@ -17,15 +17,17 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from ..errors import ConfigError, DataError, DataNotFoundError
+
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
                    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "NullTokenizer")
 
 
 def _require_file(path: str | None, flag: str, what: str) -> str:
     if not path:
-        raise ValueError(f"{flag} is required ({what})")
+        raise ConfigError(f"{flag} is required ({what})")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: {what} not found ({flag})")
+        raise DataNotFoundError(f"{path}: {what} not found ({flag})")
     return path
 
 
@@ -49,7 +51,10 @@ class SentencePieceTokenizer:
     def __init__(self, model_file: str, add_bos: bool = False):
         import sentencepiece
 
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        try:
+            self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        except (OSError, RuntimeError) as exc:  # sentencepiece reports a bad file as RuntimeError
+            raise DataError(f"{model_file}: not a SentencePiece model ({str(exc).strip()})".splitlines()[0]) from None
         self.vocab_size = self.processor.get_piece_size()
         self.eod = self.processor.eos_id()
         self.add_bos = add_bos
@@ -78,13 +83,13 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     """The tokenizer named by Megatron-LM's flags (see the module docstring)."""
     if tokenizer_type == "HuggingFaceTokenizer":
         if not tokenizer_model:
-            raise ValueError("--tokenizer-model is required for HuggingFaceTokenizer (a tokenizer directory or Hub id)")
+            raise ConfigError("--tokenizer-model is required for HuggingFaceTokenizer (a tokenizer directory or Hub id)")
         from transformers import AutoTokenizer
 
         try:
             return HFTokenizer(AutoTokenizer.from_pretrained(tokenizer_model))
-        except OSError as exc:
-            raise FileNotFoundError(f"{tokenizer_model}: cannot load a transformers tokenizer ({exc})".splitlines()[0]) from None
+        except (OSError, ValueError) as exc:
+            raise DataNotFoundError(f"{tokenizer_model}: cannot load a transformers tokenizer ({exc})".splitlines()[0]) from None
     if tokenizer_type == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 
@@ -97,9 +102,9 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
         return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
-            raise ValueError("--vocab-size is required for NullTokenizer")
+            raise ConfigError("--vocab-size is required for NullTokenizer")
         return NullTokenizer(vocab_size)
-    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, output_dir: str,

@@ -43,6 +43,7 @@ import accelerate
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from ..model.gpt import shift_labels
 from ..parallel import state
 from ..training import trainer
@@ -86,8 +87,8 @@ def training_config_from_plugin(plugin, mixed_precision: str) -> trainer.Trainin
     fields.update(other)
     try:
         return trainer.TrainingConfig.from_dict(fields)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"megatron_lm_config / other_megatron_args: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError(f"megatron_lm_config / other_megatron_args: {exc}") from None
 
 
 @dataclass

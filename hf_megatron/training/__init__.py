@@ -1,9 +1,9 @@
-"""Training engine: mixed-precision optimizer, LR schedules, `train_step`."""
+"""Training engine: configuration, mixed-precision optimizer, LR schedules, `train_step`."""
+from .config import RunConfig, TrainingConfig
 from .optimizer import LossScaler, MixedPrecisionOptimizer, param_groups
 from .schedules import LRScheduler
-from .trainer import (TrainingConfig, build_model, build_optimizer, build_scheduler, evaluate, setup_parallel,
-                      split_batch, train_step)
+from .trainer import build_model, build_optimizer, build_scheduler, evaluate, setup_parallel, split_batch, train_step
 
-__all__ = ["LossScaler", "MixedPrecisionOptimizer", "param_groups", "LRScheduler", "TrainingConfig",
+__all__ = ["LossScaler", "MixedPrecisionOptimizer", "param_groups", "LRScheduler", "TrainingConfig", "RunConfig",
            "build_model", "build_optimizer", "build_scheduler", "evaluate", "setup_parallel", "split_batch",
            "train_step"]

@@ -13,35 +13,16 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError, DataError
 from ..parallel import state
 from . import trainer
-
-
-@dataclass
-class RunConfig:
-    """What to train on and where to write: everything that is not a TrainingConfig field."""
-
-    data_path: list[str]
-    hf_model: str | None = None  # pretrained weights (folder or Hub id)
-    hf_config: str | None = None  # fresh init from a config.json (file or folder)
-    split: str = "969,30,1"
-    seq_length: int = 1024
-    data_cache_path: str | None = None
-    save: str | None = None
-    save_interval: int | None = None
-    load: str | None = None
-    log_interval: int = 10
-    eval_interval: int | None = None
-    eval_iters: int = 10
-    tensorboard_dir: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+from .config import RunConfig  # noqa: F401  (re-exported: code imports it from here)
 
 
 def init_distributed() -> torch.device:
@@ -60,16 +41,19 @@ def init_distributed() -> torch.device:
 
 def _model_source(run: RunConfig):
     if run.hf_model:
-        return run.hf_model
-    if not run.hf_config:
-        raise ValueError("give --hf-model (pretrained weights) or --hf-config (fresh init from a config.json)")
+        return run.hf_model  # RunConfig guarantees exactly one of hf_model / hf_config
     from transformers import AutoConfig
 
     from ..config import ModelConfig
     path = Path(run.hf_config)
     if not path.exists():
-        raise FileNotFoundError(f"--hf-config {path}: no such file or folder")
-    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+        raise ConfigError(f"--hf-config {path}: no such file or folder")
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        reason = str(exc).partition("\n")[0]
+        raise ConfigError(f"--hf-config {path}: not a transformers config.json ({reason})") from None
+    return ModelConfig.from_hf(hf_config)
 
 
 def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device):
@@ -99,6 +83,9 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from ..data.builder import build_gpt_datasets
     from .checkpoint import load_checkpoint, save_checkpoint
 
+    if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
+        raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
+                          f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
     device = init_distributed()
     trainer.setup_parallel(cfg)
     grid = state.get_state()
@@ -118,7 +105,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
         seq_length=run.seq_length, seed=cfg.seed, num_samples=(cfg.train_iters * gbs, eval_samples or None, None),
         cache_dir=run.data_cache_path or "auto")
     if train_ds is None:
-        raise ValueError(f"--split {run.split!r} gives the training split no documents")
+        raise DataError(f"--split {run.split!r} gives the training split no documents")
 
     writer = None
     if run.tensorboard_dir and _is_logger():

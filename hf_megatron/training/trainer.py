@@ -24,8 +24,6 @@ AdamW / cast back (optimizer), then the LR schedule advances (only after a real 
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,70 +33,9 @@ from ..loading import build_model_chunks
 from ..parallel import pipeline, state
 from ..parallel.data_parallel import allreduce_grads, allreduce_tensors, grad_of, micro_batches_for_rank
 from ..parallel.random import model_parallel_seed
+from .config import TrainingConfig  # noqa: F401  (re-exported: code imports it from here)
 from .optimizer import LossScaler, MixedPrecisionOptimizer
 from .schedules import LRScheduler
-
-
-@dataclass
-class TrainingConfig:
-    """Training hyper-parameters, named as Megatron-LM's command-line arguments."""
-
-    micro_batch_size: int = 1
-    global_batch_size: int | None = None  # None -> micro_batch_size x dp
-    train_iters: int = 1
-    lr: float = 1e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # None -> train_iters
-    lr_decay_style: str = "linear"  # constant | linear | cosine
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # fp16 static scale; None -> dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: int | None = None
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-    recompute_granularity: str | None = None  # None | "full" | "selective"
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        if self.bf16 and self.fp16:
-            raise ValueError("TrainingConfig: bf16 and fp16 are exclusive")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"TrainingConfig.micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.recompute_granularity not in (None, "full", "selective"):
-            raise ValueError("TrainingConfig.recompute_granularity must be None, 'full' or 'selective', "
-                             f"got {self.recompute_granularity!r}")
-
-    @property
-    def params_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
-
-    def num_micro_batches(self, dp: int | None = None) -> int:
-        dp = state.get_state().dp if dp is None else dp
-        gbs = self.global_batch_size or self.micro_batch_size * dp
-        if gbs % (self.micro_batch_size * dp):
-            raise ValueError(f"TrainingConfig.global_batch_size={gbs} is not divisible by "
-                             f"micro_batch_size ({self.micro_batch_size}) x data-parallel size ({dp})")
-        return gbs // (self.micro_batch_size * dp)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainingConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"TrainingConfig: unknown field(s) {unknown}")
-        return cls(**data)
 
 
 def setup_parallel(cfg: TrainingConfig) -> state.ParallelState:

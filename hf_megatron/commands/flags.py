@@ -1,0 +1,60 @@
+"""Command-line flags generated from config dataclasses, so every option is written once.
+
+Each field declared with `training.config.option(...)` becomes Megatron-LM's flag
+`--field-name-with-dashes` in its `group`: the type comes from the annotation (`int | None` ->
+int, `list[str]` -> one or more values), a bool is a `store_true` switch, the help text shows
+the choices and the default.  Values are not checked here: the dataclass's `__post_init__` does
+that, for the CLI and for Python callers alike.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+
+from ..training.config import flag_of
+
+METAVARS = {int: "N", float: "X"}  # strings keep argparse's FIELD_NAME
+
+
+def _value_type(annotation) -> tuple[type, bool]:
+    """(element type, is a list) of `int`, `float | None`, `list[str]`, ..."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
+    """One flag per field of `config_classes`, in argument groups named by the fields' metadata."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for cls in config_classes:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(meta["group"])
+            kind, is_list = _value_type(hints[f.name])
+            kwargs: dict = {"dest": f.name, "help": meta["help"].replace("%", "%%")}
+            required = f.default is dataclasses.MISSING or meta["cli_required"]
+            if kind is bool:
+                assert f.default is False, f"{cls.__name__}.{f.name}: a CLI switch must default to False"
+                kwargs.update(action="store_true")
+            else:
+                kwargs.update(type=kind, required=required)
+                if not required:
+                    kwargs["default"] = f.default
+                if is_list:
+                    kwargs["nargs"] = "+"
+                kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else METAVARS.get(kind)
+                if not required and f.default is not None and "(default" not in meta["help"]:
+                    kwargs["help"] += f" (default: {f.default})"
+            groups[meta["group"]].add_argument(flag_of(f.name), **kwargs)
+
+
+def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:
+    """The parsed flags back into one instance of each config class (validated by its __post_init__)."""
+    return [cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init})
+            for cls in config_classes]
