@@ -11,7 +11,7 @@ import torch
 import hf_megatron
 from hf_megatron.conversion.convert import hf_to_megatron
 from hf_megatron.conversion.hf_io import CheckpointError
-from hf_megatron.conversion.megatron_files import safe_load
+from hf_megatron.checkpoint.unpickle import safe_load
 from hf_megatron.parallel import state
 from hf_megatron.parallel.random import model_parallel_seed
 from hf_megatron.training.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_megatron.conversion.convert import hf_to_megatron, megatron_to_hf, reshard
-from hf_megatron.conversion.megatron_ckpt import open_megatron
-from hf_megatron.conversion.megatron_files import safe_load
+from hf_megatron.checkpoint.load import open_megatron
+from hf_megatron.checkpoint.unpickle import safe_load
 from test_convert_helpers import ARCHS, assert_identical, hf_sources, hf_tensors, save_hf  # noqa: F401
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -113,7 +113,7 @@ def test_base_model_names_without_prefix_are_read(hf_sources, tmp_path):
 def test_any_layout_loads_into_a_single_process_model(hf_sources, tmp_path):
     from hf_megatron.config import ModelConfig
     from hf_megatron.conversion.hf_io import CheckpointError
-    from hf_megatron.conversion.megatron_ckpt import load_megatron_weights
+    from hf_megatron.checkpoint.load import load_megatron_weights
     from hf_megatron.model.gpt import GPTModel
     from tiny import rel_err
     hf_to_megatron(hf_sources["mistral"], tmp_path / "m", tp=2, pp=2)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import hf_megatron.checkpoint.writer as writer_module
 import hf_megatron.conversion.convert as convert_module
-import hf_megatron.conversion.megatron_writer as writer_module
+from hf_megatron.checkpoint.files import StagingDir
 from hf_megatron.cli import main
-from hf_megatron.conversion.megatron_files import StagingDir
 from test_convert_helpers import assert_identical, hf_sources, hf_tensors  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]

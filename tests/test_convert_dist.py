@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from dist import run_distributed
 from hf_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
-from hf_megatron.conversion.megatron_files import safe_load
+from hf_megatron.checkpoint.unpickle import safe_load
 from test_convert_helpers import ARCHS, assert_identical, hf_sources, hf_tensors  # noqa: F401
 from tiny import rel_err
 
@@ -39,7 +39,7 @@ def _mcore_model(config, pp_rank):
 
 def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
     import torch.distributed as dist
-    from hf_megatron.conversion.megatron_ckpt import open_megatron
+    from hf_megatron.checkpoint.load import open_megatron
     from hf_megatron.loading import build_model
     from hf_megatron.parallel import state
     from hf_megatron.training.checkpoint import load_checkpoint, save_checkpoint

@@ -11,7 +11,7 @@ import torch
 
 from hf_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
 from hf_megatron.conversion.hf_io import CheckpointError
-from hf_megatron.conversion.megatron_files import safe_load
+from hf_megatron.checkpoint.unpickle import safe_load
 from test_convert_helpers import assert_identical, hf_sources, hf_tensors  # noqa: F401
 
 LEGACY_SUFFIXES = [(".self_attention.linear_qkv.", ".self_attention.query_key_value."),
@@ -115,7 +115,10 @@ def test_unpickling_never_runs_code(tmp_path):
     sneaky = _SideEffect()
     sneaky.__dict__["marker"] = str(marker)
     torch.save({"args": sneaky, "iteration": 1, "w": torch.ones(2)}, tmp_path / "sneaky.pt")
-    loaded = safe_load(tmp_path / "sneaky.pt")  # an unknown class: an inert stand-in, never the class
+    with pytest.raises(CheckpointError, match=r"sneaky.pt: refusing to unpickle .*\._SideEffect"):
+        safe_load(tmp_path / "sneaky.pt")  # an unknown class: not on the allow-list
+    # a class the caller names as data: an inert stand-in, never the class
+    loaded = safe_load(tmp_path / "sneaky.pt", stand_ins=[(_SideEffect.__module__, "_SideEffect")])
     assert not marker.exists()
     assert torch.equal(loaded["w"], torch.ones(2)) and loaded["args"].state == {"marker": str(marker)}
 
@@ -126,7 +129,7 @@ def test_torch_dist_with_common_state_inside_the_dcp_files(singleton_fc1, hf_sou
     torch.distributed.checkpoint; layers stacked on a leading axis as megatron-core stores them
     (its own writer is exercised in test_convert_dist.py); SwiGLU fc1 optionally as `_w` / `_v`."""
     import torch.distributed.checkpoint as dcp
-    from hf_megatron.conversion.megatron_ckpt import open_megatron
+    from hf_megatron.checkpoint.load import open_megatron
     hf_to_megatron(hf_sources["llama"], tmp_path / "m")
     reader = open_megatron(tmp_path / "m")
     full = reader.full_state_dict()

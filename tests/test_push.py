@@ -53,7 +53,7 @@ def _trained_hf_folder(hf_sources, tmp_path):
     hf_to_megatron(hf_sources["llama"], tmp_path / "meg", tp=2, pp=2)
     # the training facts a trainer stores through save_checkpoint(extra=...)
     import torch
-    from hf_megatron.conversion.megatron_files import safe_load
+    from hf_megatron.checkpoint.unpickle import safe_load
     for rank_file in (tmp_path / "meg/release").glob("*/model_optim_rng.pt"):
         payload = safe_load(rank_file)
         payload.update(iteration=1200, consumed_train_samples=4800, loss=2.3456)  # as the training loop saves

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from hf_megatron.conversion.layout import merge_tensor
 from hf_megatron.architectures import mcore_to_hf
+from hf_megatron.parallel.sharding import merge_tensor
 
 VOCAB = 300  # not a multiple of 128: exercises vocab padding
 

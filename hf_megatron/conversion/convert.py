@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..architectures import hf_to_mcore
+from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
+from ..checkpoint.load import open_megatron
+from ..checkpoint.names import layer_index
+from ..checkpoint.writer import write_megatron
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
-from .megatron_ckpt import open_megatron
-from .megatron_files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
-from .megatron_writer import write_megatron
 from .verify import fixed_prompt, hf_logits, compare, megatron_logits
 
 TOKENIZER_SUBDIR = "tokenizer"
 TRAINING_INFO = "hf_megatron_training.json"
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
@@ -132,8 +131,8 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
     def source(layers):
         wanted = set(layers)
         for name in names:
-            match = _LAYER.match(name)
-            if match is None or int(match.group(1)) in wanted:
+            index = layer_index(name)
+            if index is None or index in wanted:
                 yield name, ckpt.get(name)
 
     extra = {k: v for k, v in ckpt.info.items()

@@ -37,6 +37,17 @@ def resolve(name_or_path: str | os.PathLike) -> Path:
                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
 
 
+def link_root(folder: Path) -> Path:
+    """The folder that symlinks in `folder` may point into: for a Hub cache snapshot
+    (`models--org--name/snapshots/<rev>/`, whose files link to `../../blobs/`) the repo's cache
+    folder; for any other folder, the folder itself."""
+    folder = Path(folder)
+    repo = folder.parent.parent
+    if folder.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return repo
+    return folder
+
+
 class HFCheckpoint:
     def __init__(self, name_or_path: str | os.PathLike):
         self.path = resolve(name_or_path)

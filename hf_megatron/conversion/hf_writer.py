@@ -12,15 +12,15 @@ one shard (plus one tensor being produced) is in memory.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..architectures import hf_class_name, mcore_to_hf
+from ..checkpoint.files import copy_files_within
 from ..config import ModelConfig
-from .hf_io import TOKENIZER_FILES
+from .hf_io import TOKENIZER_FILES, link_root
 from .layout import full_shapes
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -40,14 +40,9 @@ def write_hf_config(out_dir: Path, config: ModelConfig, dtype: torch.dtype, gene
 
 
 def copy_tokenizer(source: Path | None, out_dir: Path) -> list[str]:
-    copied = []
     if source is None or not source.is_dir():
-        return copied
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, out_dir / name)
-            copied.append(name)
-    return copied
+        return []
+    return copy_files_within(source, out_dir, TOKENIZER_FILES, root=link_root(source))
 
 
 def write_hf_weights(out_dir: Path, config: ModelConfig, get_mcore: Callable[[str], torch.Tensor],

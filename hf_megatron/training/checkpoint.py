@@ -1,4 +1,6 @@
-"""Save and resume training in Megatron-LM's checkpoint layout.
+"""What training puts into a Megatron-LM checkpoint and takes back: model chunks, optimizer,
+LR scheduler, RNG streams and the data position (`extra`, e.g. consumed_train_samples).  The
+format itself -- folder names, the rank file, staging, safe loading -- is hf_megatron.checkpoint.
 
     <save_dir>/latest_checkpointed_iteration.txt                     written last
     <save_dir>/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt
@@ -8,9 +10,10 @@
 Each model-parallel rank (tp, pp) with data-parallel rank 0 writes its own file, with layer
 numbers local to its pipeline stage.  An optimizer whose `state_dict()` differs per
 data-parallel rank (ZeRO) sets `state_dict_per_dp_rank = True`; then every data-parallel rank
-also writes `optim_dp_RRR.pt` next to it.  All files go to `.iter_XXXXXXX.partial` first; the
-folder is renamed into place after every rank is done, then the tracker file is replaced:
-a crash never leaves a checkpoint that looks complete.
+also writes `optim_dp_RRR.pt` next to it.  All files go to a staging folder first, which
+replaces the iteration folder in one step after every rank is done (also when that iteration
+was saved before); then the tracker file is replaced: a crash never leaves a checkpoint that
+looks complete, and the tracker never names a missing folder.
 
 Works in one process and inside torch.distributed (collective: call it on every rank).
 """
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,35 +29,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..conversion.hf_io import CheckpointError
-from ..conversion.megatron_args import build_args
-from ..conversion.megatron_files import (MODEL_FILE, TRACKER, iter_dir_name, rank_dir_name, resolve_iteration_dir,
-                                         safe_load, save_atomic, saved_layout, write_text_atomic)
-from ..conversion.layout import to_global_name, to_local_name
-from ..conversion.megatron_writer import CHECKPOINT_VERSION
+from ..checkpoint.args import build_args
+from ..checkpoint.files import (MODEL_FILE, TRACKER, StagingDir, iter_dir_name, optim_file_name, rank_dir_name,
+                                resolve_iteration_dir, save_atomic, saved_layout, write_text_atomic)
+from ..checkpoint.mcore import read_rank_file
+from ..checkpoint.names import model_keys, to_stage_global, to_stage_local
+from ..checkpoint.reader import info_entries
+from ..checkpoint.unpickle import safe_load
+from ..checkpoint.writer import rank_payload, write_rank_file
+from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
 
 
-
-def stage_local_state_dict(chunk) -> dict[str, torch.Tensor]:
-    """The chunk's state dict with layer numbers local to its stage, as Megatron writes them
-    (in memory the model keeps global numbers)."""
-    offset = min(chunk.layer_numbers, default=0)
-    return {to_local_name(name, offset, len(chunk.layer_numbers)): t for name, t in chunk.state_dict().items()}
-
-
-def stage_global_state_dict(saved: dict[str, torch.Tensor], chunk) -> dict[str, torch.Tensor]:
-    offset = min(chunk.layer_numbers, default=0)
-    return {to_global_name(name, offset): t for name, t in saved.items()}
-
-
 def _chunks(model_chunks) -> list[torch.nn.Module]:
     return list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-
-
-def _model_keys(n: int) -> list[str]:
-    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
 
 
 def _distributed() -> bool:
@@ -113,70 +101,60 @@ def set_rng_state(rng: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ save
 
+def _keep_recorded(previous: Path, extra: dict[str, Any], args: dict[str, Any]) -> None:
+    """A re-save of an iteration fills the entries it passes as None (a loss not known this
+    time, say) with what the previous save of that rank file recorded."""
+    if not previous.is_file() or not any(v is None for v in (*extra.values(), *args.values())):
+        return
+    old = safe_load(previous, mmap=True)
+    old_args = old.get("args")
+    for key in [k for k, v in extra.items() if v is None]:
+        extra[key] = old.get(key)
+    for key in [k for k, v in args.items() if v is None]:
+        args[key] = getattr(old_args, key, None)
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
     level of every file; the model card of `hf-megatron push` reports `consumed_train_samples`,
     `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
-    `args` namespace (e.g. seq_length)."""
+    `args` namespace (e.g. seq_length).  Re-saving an iteration replaces it whole; entries of
+    `extra` / `args` given as None keep the value the earlier save recorded."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     st = state.get_state()
-    root = Path(save_dir)
-    final = root / iter_dir_name(iteration)
-    staging = root / f".{final.name}.partial"
+    final = Path(save_dir) / iter_dir_name(iteration)
     is_first = not _distributed() or dist.get_rank() == 0
-    if is_first:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
+    staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
     _barrier()
 
     # state_dict() may be collective (ZeRO consolidation): every rank calls it
     optim_state = optimizer.state_dict() if optimizer is not None else None
     per_dp = bool(getattr(optimizer, "state_dict_per_dp_rank", False))
-    rank_dir = staging / rank_dir_name(tp_rank, pp_rank, pp_size)
-    writer = dp_rank == 0 and cp_rank == 0
-    if writer or (per_dp and cp_rank == 0):
-        rank_dir.mkdir(exist_ok=True)
-    if writer:
-        vpp = len(chunks) if len(chunks) > 1 else None
-        megatron_args = build_args(chunks[0].config, tp=st.tp, pp=st.pp, vpp=vpp, dp=st.dp,
-                                   context_parallel_size=st.cp, iteration=iteration, **(args or {}))
-        payload: dict[str, Any] = {key: stage_local_state_dict(m) for key, m in zip(_model_keys(len(chunks)), chunks)}
-        payload.update(args=megatron_args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
-                       rng_state=[get_rng_state()])
-        if optim_state is not None and not per_dp:
-            payload["optimizer"] = optim_state
-        if scheduler is not None:
-            payload["opt_param_scheduler"] = scheduler.state_dict()
-        payload.update(extra or {})
-        save_atomic(payload, rank_dir / MODEL_FILE)
+    rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
+    if dp_rank == 0 and cp_rank == 0:
+        extra, args = dict(extra or {}), dict(args or {})
+        _keep_recorded(final / rank_dir.name / MODEL_FILE, extra, args)
+        megatron_args = build_args(chunks[0].config, tp=st.tp, pp=st.pp, vpp=len(chunks) if len(chunks) > 1 else None,
+                                   dp=st.dp, context_parallel_size=st.cp, iteration=iteration, **args)
+        states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
+        payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
+                               optimizer=None if per_dp else optim_state,
+                               opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
+        write_rank_file(rank_dir, payload)
     if per_dp and cp_rank == 0 and optim_state is not None:
-        save_atomic({"optimizer": optim_state, "iteration": iteration}, rank_dir / f"optim_dp_{dp_rank:03d}.pt")
+        rank_dir.mkdir(exist_ok=True)
+        save_atomic({"optimizer": optim_state, "iteration": iteration}, rank_dir / optim_file_name(dp_rank))
     _barrier()
     if is_first:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        write_text_atomic(root / TRACKER, str(iteration))
+        staging.commit()
+        write_text_atomic(Path(save_dir) / TRACKER, str(iteration))
     _barrier()
     return final
 
 
 # ------------------------------------------------------------------ load
-
-def read_checkpoint(load_dir: str | os.PathLike, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
-                    iteration: int | None = None) -> tuple[dict[str, Any], int | str, Path]:
-    """(contents of one rank's model_optim_rng.pt, iteration, its file)."""
-    folder, iteration = resolve_iteration_dir(load_dir, iteration)
-    path = folder / rank_dir_name(tp_rank, pp_rank, pp_size) / MODEL_FILE
-    if not path.parent.is_dir():
-        tp, pp = saved_layout(folder)
-        raise CheckpointError(f"{path.parent}: rank folder missing (the folder holds tp={tp}, pp={pp}; "
-                              f"this run wants tp rank {tp_rank}, pp rank {pp_rank} of pp={pp_size})")
-    return safe_load(path), iteration, path
-
 
 def _check_layout(saved_args: Any, path: Path) -> None:
     st = state.get_state()
@@ -192,19 +170,22 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     """Restore model chunks (and optimizer, scheduler, RNG when given/saved); returns the iteration."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
-    payload, iteration, path = read_checkpoint(load_dir, tp_rank, pp_rank, pp_size, iteration)
+    payload, iteration, path = read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
     _check_layout(payload.get("args"), path)
-    for key, chunk in zip(_model_keys(len(chunks)), chunks):
-        if key not in payload:
-            raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if k.startswith('model'))}); "
+    for key, chunk in zip(model_keys(len(chunks)), chunks):
+        if not isinstance(payload.get(key), dict):
+            raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
                                   f"saved with a different number of virtual pipeline chunks?")
-        result = chunk.load_state_dict(stage_global_state_dict(payload[key], chunk), strict=False)
+        try:
+            result = chunk.load_state_dict(to_stage_global(payload[key], chunk.layer_numbers), strict=False)
+        except (RuntimeError, TypeError) as exc:  # shapes or entries that are not tensors
+            raise CheckpointError(f"{path}: {key} does not fit the model ({str(exc).strip().splitlines()[0]})") from None
         if strict and (result.missing_keys or result.unexpected_keys):
             raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
                                   f"unexpected {result.unexpected_keys[:4]}")
     if optimizer is not None:
         if getattr(optimizer, "state_dict_per_dp_rank", False):
-            optim_state = safe_load(path.parent / f"optim_dp_{dp_rank:03d}.pt")["optimizer"]
+            optim_state = safe_load(path.parent / optim_file_name(dp_rank))["optimizer"]
         elif "optimizer" in payload:
             optim_state = payload["optimizer"]
         else:
@@ -224,9 +205,8 @@ def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -
     """Everything but the tensors of rank (0, 0)'s file: args, iteration, extra entries."""
     folder, _ = resolve_iteration_dir(load_dir, iteration)
     _, pp = saved_layout(folder)
-    payload, iteration, _ = read_checkpoint(load_dir, 0, 0, max(pp, 1), iteration)
-    skip = ("model", "optimizer", "opt_param_scheduler", "rng_state")
-    info = {k: v for k, v in payload.items() if not k.startswith(skip)}
+    payload, iteration, _ = read_rank_file(load_dir, 0, 0, max(pp, 1), iteration)
+    info = info_entries(payload)
     if isinstance(info.get("args"), argparse.Namespace):
         info["args"] = vars(info["args"])
     return info

@@ -13,6 +13,7 @@ when only QKV has a bias).
 from __future__ import annotations
 
 import argparse
+from importlib import metadata
 from typing import Any
 
 from ..config import ConfigError, ModelConfig
@@ -20,7 +21,6 @@ from ..config import ConfigError, ModelConfig
 
 def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = None, dp: int = 1,
                **extra: Any) -> argparse.Namespace:
-    from .. import __version__
     rope = config.rope_scaling or {}
     args = dict(
         num_layers=config.num_layers,
@@ -63,10 +63,19 @@ def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = 
         transformer_impl="local",
         ckpt_format="torch",
         hf_config=dict(config.hf_config),
-        hf_megatron_version=__version__,
+        hf_megatron_version=_version(),
     )
     args.update(extra)
     return argparse.Namespace(**args)
+
+
+def _version() -> str:
+    """The installed hf_megatron's version (the package root, which has __version__, sits above
+    this layer)."""
+    try:
+        return metadata.version("hf_megatron")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _get(args: Any, name: str, default: Any = None) -> Any:

@@ -1,57 +1,45 @@
-"""Read a Megatron checkpoint folder (ours or Megatron-LM's) as full megatron-core tensors.
+"""Read torch-format Megatron checkpoints (`mp_rank_*/model_optim_rng.pt`): ours, megatron-core's
+and Megatron-LM's (mcore, TransformerEngine or legacy names; `legacy.py` maps them).
 
-    ckpt = open_megatron(path)            # root with the tracker file, or an iter_*/release folder
-    ckpt.config                           # ModelConfig (from args.hf_config, or from Megatron's flags)
+    ckpt = MegatronCheckpoint(folder, iteration)
     ckpt.get("decoder.layers.7.mlp.linear_fc1.weight")   # merged over TP, global layer number
 
 Rank files are opened with mmap and only one pipeline stage's files are held at a time, so
-`get` costs one full tensor of memory.  Handles mcore names, legacy names and QKV orders
-(`legacy.py`), virtual-pipeline chunks (`model0`, `model1`, ...) and uneven stages; a
-`torch_dist` folder is delegated to `torch_dist.py`.
+`get` costs one full tensor of memory.  Virtual-pipeline chunks (`model0`, `model1`, ...) and
+uneven stages are placed by the layers each file holds.  `read_rank_file` gives one rank's
+whole file (for resuming training in the saved layout).
 """
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from .hf_io import CheckpointError
-from ..parallel.sharding import load_full_weights, merge_tensor
+from ..errors import CheckpointError
+from ..parallel.sharding import merge_tensor
+from .args import config_from_args
+from .files import MODEL_FILE, rank_dir_name, resolve_iteration_dir, saved_layout
 from .legacy import model_state_to_mcore
-from .megatron_args import config_from_args
-from .megatron_files import MODEL_FILE, rank_dir_name, resolve_iteration_dir, safe_load, saved_layout
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-
-def open_megatron(path: str | os.PathLike, iteration: int | None = None, vocab_size: int | None = None):
-    """A reader for a torch-format or torch_dist Megatron checkpoint."""
-    folder, it = resolve_iteration_dir(path, iteration)
-    if (folder / ".metadata").is_file() or (folder / "metadata.json").is_file():
-        from .torch_dist import TorchDistCheckpoint
-        return TorchDistCheckpoint(folder, it, vocab_size)
-    return MegatronCheckpoint(folder, it, vocab_size)
+from .names import LAYER, chunk_keys, to_global_name
+from .reader import CheckpointReader, info_entries
+from .unpickle import safe_load
 
 
-class CheckpointReader:
-    """What both readers share: `where` maps each full megatron-core name to its location."""
-    folder: Path
-    where: dict
-
-    def names(self) -> list[str]:
-        return list(self.where)
-
-    def locate(self, name: str):
-        try:
-            return self.where[name]
-        except KeyError:
-            raise CheckpointError(f"{self.folder}: tensor {name!r} not found (wrong architecture for this checkpoint?)") from None
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: self.get(name) for name in self.names()}
+def read_rank_file(load_dir: str | os.PathLike, tp_rank: int = 0, pp_rank: int = 0, pp_size: int = 1,
+                   iteration: int | None = None) -> tuple[dict[str, Any], int | str, Path]:
+    """(contents of one rank's model_optim_rng.pt, iteration, its file)."""
+    folder, iteration = resolve_iteration_dir(load_dir, iteration)
+    path = folder / rank_dir_name(tp_rank, pp_rank, pp_size) / MODEL_FILE
+    if not path.parent.is_dir():
+        tp, pp = saved_layout(folder)
+        raise CheckpointError(f"{path.parent}: rank folder missing (the folder holds tp={tp}, pp={pp}; "
+                              f"this run wants tp rank {tp_rank}, pp rank {pp_rank} of pp={pp_size})")
+    payload = safe_load(path)
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: expected a dict of checkpoint entries, found {type(payload).__name__}")
+    return payload, iteration, path
 
 
 class MegatronCheckpoint(CheckpointReader):
@@ -63,7 +51,7 @@ class MegatronCheckpoint(CheckpointReader):
         first = self._load(0, 0)
         self.args = first.get("args")
         self.checkpoint_version = float(first.get("checkpoint_version", 0) or 0)
-        self.info = {k: v for k, v in first.items() if not k.startswith(("model", "optimizer", "rng_state"))}
+        self.info = info_entries(first)
         saved_tp = getattr(self.args, "tensor_model_parallel_size", None) or self.tp
         saved_pp = getattr(self.args, "pipeline_model_parallel_size", None) or self.pp
         self.tp, self.pp = max(self.tp, saved_tp), max(self.pp, saved_pp)
@@ -73,8 +61,8 @@ class MegatronCheckpoint(CheckpointReader):
                 if not (rank_dir / MODEL_FILE).is_file():
                     raise CheckpointError(f"{rank_dir / MODEL_FILE}: missing (checkpoint args say tp={self.tp}, "
                                           f"pp={self.pp}; every mp_rank folder must be present)")
-        self.config: ModelConfig = config_from_args(self.args, vocab_size)
-        self.chunk_keys = sorted((k for k in first if re.fullmatch(r"model\d*", k)), key=lambda k: int(k[5:] or 0))
+        self.config = config_from_args(self.args, vocab_size)
+        self.chunk_keys = chunk_keys(first)
         if not self.chunk_keys:
             raise CheckpointError(f"{folder / rank_dir_name(0, 0, self.pp) / MODEL_FILE}: no 'model' entry")
         self.vpp = len(self.chunk_keys)
@@ -83,12 +71,20 @@ class MegatronCheckpoint(CheckpointReader):
 
     # ---------------------------------------------------------------- files
     def _load(self, tp_rank: int, pp_rank: int) -> dict:
-        return safe_load(self.folder / rank_dir_name(tp_rank, pp_rank, self.pp) / MODEL_FILE, mmap=True)
+        path = self.folder / rank_dir_name(tp_rank, pp_rank, self.pp) / MODEL_FILE
+        payload = safe_load(path, mmap=True)
+        if not isinstance(payload, dict):
+            raise CheckpointError(f"{path}: expected a dict of checkpoint entries, found {type(payload).__name__}")
+        return payload
 
     def rank_state(self, tp_rank: int, pp_rank: int) -> list[dict[str, torch.Tensor]]:
         """One rank's model chunks as flat mcore-named dicts (stage-local layer numbers)."""
         payload = self._load(tp_rank, pp_rank)
         local_heads = self.config.num_attention_heads // self.tp
+        missing = [k for k in self.chunk_keys if not isinstance(payload.get(k), dict)]
+        if missing:
+            raise CheckpointError(f"{self.folder / rank_dir_name(tp_rank, pp_rank, self.pp) / MODEL_FILE}: "
+                                  f"no {missing[0]!r} state dict (rank 0 has {self.chunk_keys})")
         return [model_state_to_mcore(payload[k], self.checkpoint_version, local_heads) for k in self.chunk_keys]
 
     def _stage_states(self, pp_rank: int) -> list[list[dict]]:
@@ -105,15 +101,14 @@ class MegatronCheckpoint(CheckpointReader):
         counts = {}
         for p in range(self.pp):
             for v, chunk in enumerate(self._stage_states(p)[0]):
-                layers = {int(m.group(1)) for m in map(_LAYER.match, chunk) if m}
+                layers = {int(m.group(1)) for m in map(LAYER.match, chunk) if m}
                 counts[(p, v)] = max(layers) + 1 if layers else 0
         self.where: dict[str, tuple[int, int, str]] = {}  # global name -> (stage, chunk, local name)
         offset = 0
         for v in range(self.vpp):
             for p in range(self.pp):
                 for local in self._stage_states(p)[0][v]:
-                    m = _LAYER.match(local)
-                    name = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else local
+                    name = to_global_name(local, offset)
                     if name not in self.where or name == "output_layer.weight":
                         self.where[name] = (p, v, local)
                 offset += counts[(p, v)]
@@ -122,23 +117,9 @@ class MegatronCheckpoint(CheckpointReader):
 
     def get(self, name: str) -> torch.Tensor:
         p, v, local = self.locate(name)
-        shards = [ranks[v][local] for ranks in self._stage_states(p)]
+        try:
+            shards = [ranks[v][local] for ranks in self._stage_states(p)]
+        except KeyError:
+            raise CheckpointError(f"{self.folder}: {local!r} of pipeline stage {p} is missing from some "
+                                  f"tensor-parallel rank's file") from None
         return merge_tensor(name, shards, self.config)  # mmap-backed where unchanged: no copy
-
-
-def load_megatron_weights(model, path: str | os.PathLike, iteration: int | None = None):
-    """Load a Megatron checkpoint of *any* TP/PP layout into `model` (this rank's GPTModel, any
-    layout): the full tensors of the model's layers are read, then sharded for this rank.
-    Weights only; for exact resume in the saved layout use training.checkpoint.load_checkpoint."""
-    ckpt = open_megatron(path, iteration)
-    ours, theirs = model.config, ckpt.config
-    fields = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", "vocab_size")
-    diff = [f"{f}: model {getattr(ours, f)} vs checkpoint {getattr(theirs, f)}" for f in fields
-            if getattr(ours, f) != getattr(theirs, f)]
-    if diff:
-        raise CheckpointError(f"{ckpt.folder}: checkpoint does not match the model ({'; '.join(diff)})")
-    layers = set(model.layer_numbers)
-    wanted = [n for n in ckpt.names() if not (m := _LAYER.match(n)) or int(m.group(1)) in layers]
-    load_full_weights(model, ((n, ckpt.get(n)) for n in wanted))
-    return ckpt

@@ -1,32 +1,57 @@
-"""Write full megatron-core tensors as a Megatron checkpoint at any TP / PP / virtual-PP layout.
+"""Megatron rank files: the one builder of `model_optim_rng.pt`, and writing full tensors at any
+TP / PP / virtual-PP layout.
 
-Model chunk c = v * pp + p (chunk v of stage p) holds layers [c * L/(pp*vpp), (c+1) * L/(pp*vpp)),
+A rank file (Megatron-LM's fields):
+
+    model | model0, model1, ...   stage-local state dict of each model chunk
+    args                         argparse.Namespace (`args.build_args`)
+    checkpoint_version           3.0
+    iteration                    int (0 for a release checkpoint)
+    rng_state, optimizer, opt_param_scheduler, ...   when the caller has them (training)
+
+Model chunk c = v * pp + p (chunk v of stage p) holds the layers `stage_layers(L, pp * vpp, c)`,
 renumbered from 0 in its file.  The first chunk owns the embedding; the last owns the final
 norm and output layer -- for tied embeddings too when it lacks the embedding (Megatron keeps a
-copy there).  Files are written one rank at a time: memory is one rank's shard plus one full
-tensor (the source is asked again for every rank; sources are lazy readers).
+copy there).  `write_megatron` writes one rank at a time: memory is one rank's shard plus one
+full tensor (the source is asked again for every rank; sources are lazy readers).
 """
 from __future__ import annotations
 
-import re
+import argparse
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..config import ModelConfig
 from ..errors import ParallelConfigError
-from .layout import split_tensor
-from .megatron_args import build_args
-from .megatron_files import MODEL_FILE, rank_dir_name
+from ..parallel.sharding import split_tensor, stage_layers
+from .args import build_args
+from .files import MODEL_FILE, rank_dir_name, save_atomic
+from .names import LAYER, model_keys
 
 CHECKPOINT_VERSION = 3.0
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # source(layers) -> (full name, full tensor) for those layers + embedding, final norm, output layer
 Source = Callable[[Iterable[int]], Iterator[tuple[str, torch.Tensor]]]
 
 
-def check_layout(config: ModelConfig, tp: int, pp: int, vpp: int | None) -> None:
+def rank_payload(model_states: list[dict], args: argparse.Namespace, iteration: int | str,
+                 extra: dict[str, Any] | None = None, **state: Any) -> dict[str, Any]:
+    """The contents of one rank's model_optim_rng.pt.  `state`: optimizer, opt_param_scheduler,
+    rng_state, ... (entries given as None are left out); `extra` entries go in as they are."""
+    payload: dict[str, Any] = dict(zip(model_keys(len(model_states)), model_states))
+    payload.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=0 if iteration == "release" else iteration)
+    payload.update({k: v for k, v in state.items() if v is not None})
+    payload.update(extra or {})
+    return payload
+
+
+def write_rank_file(rank_dir: Path, payload: dict[str, Any]) -> Path:
+    rank_dir.mkdir(parents=True, exist_ok=True)
+    save_atomic(payload, rank_dir / MODEL_FILE)
+    return rank_dir / MODEL_FILE
+
+
+def check_layout(config, tp: int, pp: int, vpp: int | None) -> None:
     if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
         raise ParallelConfigError(f"tp, pp and vpp must be >= 1 (got tp={tp}, pp={pp}, vpp={vpp})")
     if vpp and vpp > 1 and pp == 1:
@@ -41,19 +66,18 @@ def check_layout(config: ModelConfig, tp: int, pp: int, vpp: int | None) -> None
         raise ParallelConfigError(f"num_layers={config.num_layers} is not divisible by pp x vpp = {chunks}")
 
 
-def chunk_layers(config: ModelConfig, pp: int, vpp: int, stage: int, chunk: int) -> range:
-    per_chunk = config.num_layers // (pp * vpp)
-    start = (chunk * pp + stage) * per_chunk
-    return range(start, start + per_chunk)
+def chunk_layers(config, pp: int, vpp: int, stage: int, chunk: int) -> range:
+    """Global layers of virtual chunk `chunk` on pipeline stage `stage` (model chunk chunk * pp + stage)."""
+    return stage_layers(config.num_layers, pp * vpp, chunk * pp + stage)
 
 
-def chunk_state(source: Source, config: ModelConfig, tp: int, tp_rank: int, layers: range,
+def chunk_state(source: Source, config, tp: int, tp_rank: int, layers: range,
                 pre: bool, post: bool) -> dict[str, torch.Tensor]:
     """The stage-local, TP-sharded state dict of one model chunk."""
     tied = config.tie_word_embeddings
     state: dict[str, torch.Tensor] = {}
     for name, tensor in source(layers):
-        match = _LAYER.match(name)
+        match = LAYER.match(name)
         if match:
             index = int(match.group(1))
             if index not in layers:
@@ -76,7 +100,7 @@ def chunk_state(source: Source, config: ModelConfig, tp: int, tp_rank: int, laye
     return state
 
 
-def write_megatron(iter_dir: Path, config: ModelConfig, source: Source, tp: int, pp: int, vpp: int | None = None,
+def write_megatron(iter_dir: Path, config, source: Source, tp: int, pp: int, vpp: int | None = None,
                    iteration: int | str = "release", args: dict | None = None, extra: dict | None = None) -> None:
     """Write every rank's model_optim_rng.pt under `iter_dir` (no tracker file: caller's job)."""
     check_layout(config, tp, pp, vpp)
@@ -85,14 +109,9 @@ def write_megatron(iter_dir: Path, config: ModelConfig, source: Source, tp: int,
                                iteration=0 if iteration == "release" else iteration, **(args or {}))
     for stage in range(pp):
         for tp_rank in range(tp):
-            payload = {}
-            for chunk in range(chunks):
-                key = "model" if chunks == 1 else f"model{chunk}"
-                payload[key] = chunk_state(source, config, tp, tp_rank, chunk_layers(config, pp, chunks, stage, chunk),
-                                           pre=stage == 0 and chunk == 0, post=stage == pp - 1 and chunk == chunks - 1)
-            payload.update(args=megatron_args, checkpoint_version=CHECKPOINT_VERSION,
-                           iteration=0 if iteration == "release" else iteration, **(extra or {}))
-            rank_dir = iter_dir / rank_dir_name(tp_rank, stage, pp)
-            rank_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(payload, rank_dir / MODEL_FILE)
-            del payload
+            states = [chunk_state(source, config, tp, tp_rank, chunk_layers(config, pp, chunks, stage, chunk),
+                                  pre=stage == 0 and chunk == 0, post=stage == pp - 1 and chunk == chunks - 1)
+                      for chunk in range(chunks)]
+            write_rank_file(iter_dir / rank_dir_name(tp_rank, stage, pp),
+                            rank_payload(states, megatron_args, iteration, extra))
+            del states

@@ -1,0 +1,180 @@
+"""Read Megatron's `torch_dist` checkpoints (torch.distributed.checkpoint, written by megatron-core).
+
+    iter_0000100/.metadata  __0_0.distcp ...  common.pt  metadata.json
+
+Tensors are stored once at global shape under their *sharded* key: per-layer parameters are
+stacked on a leading layer axis (`decoder.layers.mlp.linear_fc1.weight` is [L, ...]); TP shards
+are already concatenated; vocab tables keep their padding; SwiGLU fc1 is [gate; up] (or two
+keys `..._w` / `..._v` when saved with singleton local shards).  `get` reads just the slice of
+one layer (a LoadPlan for that chunk), without a process group.
+
+Common state (args, iteration, checkpoint_version) comes from `common.pt`, or -- the other
+layout -- from byte entries inside the DCP files.  Nothing is unpickled as code: `.metadata`
+goes through an unpickler that knows exactly the classes torch.distributed.checkpoint writes
+there (`METADATA_GLOBALS`), every byte entry and `common.pt` through `safe_load`; DCP reads the
+tensor data itself with `torch.load(weights_only=True)`.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import pathlib
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem, metadata as dcp_metadata, planner as dcp_planner
+from torch.distributed.checkpoint.api import CheckpointException as DCPFailure
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..errors import CheckpointError
+from ..parallel.sharding import VOCAB_PARAMS
+from .args import config_from_args
+from .legacy import te_to_local_name
+from .reader import CheckpointReader, info_entries
+from .unpickle import first_line, load_pickle, safe_load
+
+_LAYERS = "decoder.layers."
+_MODEL_PREFIX = re.compile(r"^model\d*\.")
+
+# exactly what torch.distributed.checkpoint pickles into `.metadata` (and nothing reachable from it)
+METADATA_GLOBALS: dict[tuple[str, str], object] = {
+    **{("torch.distributed.checkpoint.metadata", cls): getattr(dcp_metadata, cls) for cls in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+    # megatron-core keeps its cached save plans in the metadata
+    **{("torch.distributed.checkpoint.planner", cls): getattr(dcp_planner, cls) for cls in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")},
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # layout name -> torch.layout
+    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "slice"): slice,
+    **{(module, cls): getattr(pathlib, cls)  # the checkpoint id; pathlib._local on Python >= 3.13
+       for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "PurePosixPath", "PureWindowsPath")},
+}
+
+
+class SafeReader(filesystem.FileSystemReader):
+    """FileSystemReader whose metadata goes through the allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        with open(path, "rb") as f:
+            metadata = load_pickle(f, METADATA_GLOBALS, str(path))
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise CheckpointError(f"{path}: expected torch.distributed.checkpoint Metadata, found {type(metadata).__name__}")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class ChunkPlanner(DefaultLoadPlanner):
+    """Loads one box (offsets, sizes) of entry `fqn`, or a whole byte entry through safe_load;
+    results land in the caller's dict."""
+
+    def __init__(self, fqn: str, offsets=None, sizes=None):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.fqn, self.offsets, self.sizes = fqn, offsets, sizes
+
+    def create_local_plan(self):
+        if self.offsets is None:  # a byte entry: the default plan reads it whole
+            return super().create_local_plan()
+        chunk = dcp_metadata.ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=torch.Size(self.sizes))
+        return dcp_planner.LoadPlan(create_read_items_for_chunk_list(self.fqn, self.metadata.state_dict_metadata[self.fqn], [chunk]))
+
+    def lookup_tensor(self, index):
+        return self.state_dict[index.fqn]
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.state_dict[read_item.dest_index.fqn] = safe_load(io.BytesIO(value.read()))
+
+
+class TorchDistCheckpoint(CheckpointReader):
+    def __init__(self, folder: Path, iteration, vocab_size: int | None = None):
+        self.folder, self.iteration = Path(folder), iteration
+        self.metadata = SafeReader(str(folder)).read_metadata()
+        entries = self.metadata.state_dict_metadata
+        common_file = folder / "common.pt"
+        common = safe_load(common_file) if common_file.is_file() else self._common_from_bytes(entries)
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{common_file}: expected a dict of common state, found {type(common).__name__}")
+        self.args = common.get("args")
+        self.checkpoint_version = float(common.get("checkpoint_version", 3.0) or 3.0)
+        self.info = info_entries(common)
+        self.config = config_from_args(self.args, vocab_size)
+        self.tp = getattr(self.args, "tensor_model_parallel_size", 1)
+        self.pp = getattr(self.args, "pipeline_model_parallel_size", 1)
+        self.where: dict[str, tuple[str, int | None, str | None]] = {}
+        tensor_keys = [k for k, md in entries.items() if isinstance(md, dcp_metadata.TensorStorageMetadata)]
+        for key in tensor_keys:
+            name = te_to_local_name(_MODEL_PREFIX.sub("", key))
+            part = None
+            if name[-2:] in ("_w", "_v") and name[:-2].endswith(("linear_fc1.weight", "linear_fc1.bias")):
+                name, part = name[:-2], name[-1]
+            if name.startswith(_LAYERS):
+                suffix = name[len(_LAYERS):]
+                for layer in range(entries[key].size[0]):
+                    self.where.setdefault(f"{_LAYERS}{layer}.{suffix}", (key if part is None else key[:-2], layer, part))
+            elif name.startswith(("embedding.", "decoder.final_layernorm.", "output_layer.")):
+                self.where.setdefault(name, (key if part is None else key[:-2], None, part))
+        if not any(n.startswith(_LAYERS) for n in self.where):
+            raise CheckpointError(f"{folder}: torch_dist checkpoint holds no decoder.layers.* model tensors")
+
+    def _common_from_bytes(self, entries) -> dict:
+        common = {}
+        for key, md in entries.items():
+            if isinstance(md, dcp_metadata.BytesStorageMetadata) and key.split(".")[0] in ("args", "iteration",
+                                                                                             "checkpoint_version"):
+                common[key.split(".")[0]] = self._load({key: None}, ChunkPlanner(key))[key]
+        if "args" not in common:
+            raise CheckpointError(f"{self.folder}: no common.pt and no 'args' entry; cannot tell the architecture")
+        return common
+
+    def _load(self, state: dict, planner: ChunkPlanner) -> dict:
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(self.folder)), planner=planner, no_dist=True)
+        except CheckpointError:
+            raise
+        except (Exception, DCPFailure) as exc:  # DCP wraps what its reader raised: surface ours, else one line
+            cause = next((e for e in _causes(exc) if isinstance(e, CheckpointError)), None)
+            if cause is not None:
+                raise cause from None
+            raise CheckpointError(f"{self.folder}: cannot read {planner.fqn!r} ({first_line(exc)})") from None
+        return state
+
+    def _read(self, key: str, layer: int | None) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        size = list(md.size)
+        offsets = [0] * len(size)
+        if layer is not None:
+            offsets[0], size[0] = layer, 1
+        dest = torch.empty(size, dtype=md.properties.dtype)
+        self._load({key: dest}, ChunkPlanner(key, offsets, size))
+        return dest[0] if layer is not None else dest
+
+    def get(self, name: str) -> torch.Tensor:
+        key, layer, part = self.locate(name)
+        if part is None:
+            tensor = self._read(key, layer)
+        else:  # gate and up stored separately
+            tensor = torch.cat([self._read(key + "_w", layer), self._read(key + "_v", layer)])
+        return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
+
+
+def _causes(exc: BaseException):
+    """exc, its causes/contexts, and the per-rank failures a DCP CheckpointException carries."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, DCPFailure):  # rank -> (exception, traceback)
+            todo += [failure[0] for failure in e.failures.values()]
