@@ -4,8 +4,8 @@ must end in a one-line CheckpointError, with no marker.
 
 Readers: the rank-file loader (`safe_load`), torch-format `open_megatron`, training's
 `load_checkpoint`, `checkpoint_info`, `load_megatron_weights`, torch_dist's `.metadata`,
-its `common.pt`, its DCP byte entries, and `hf-megatron convert megatron-to-hf` (in process
-for every payload, as a subprocess for a few)."""
+its `common.pt`, its DCP byte entries and tensor data, and `hf-megatron convert megatron-to-hf`
+(in process for every payload, as a subprocess for a few)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 import hf_megatron
 from hf_megatron.checkpoint.load import load_megatron_weights, open_megatron
+from hf_megatron.checkpoint.torch_dist import SafeReader, TorchDistCheckpoint
 from hf_megatron.checkpoint.unpickle import safe_load
 from hf_megatron.cli import main
 from hf_megatron.errors import CheckpointError
@@ -203,9 +204,9 @@ def _dist_root(root: Path, metadata: bytes | None = None, common: bytes | None =
 
 
 def _replace_byte_entry(folder: Path, key: str, data: bytes) -> None:
-    """Put `data` where DCP stored the bytes of entry `key` (offsets and metadata updated)."""
+    """Put `data` where DCP stored entry `key` (offsets and metadata updated)."""
     metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file: fine
-    info = next(v for k, v in metadata.storage_data.items() if k.fqn == key)
+    info = next(v for k, v in metadata.storage_data.items() if k.fqn == key)  # the only chunk of `key`
     file = folder / info.relative_path
     old = file.read_bytes()
     file.write_bytes(old[:info.offset] + data + old[info.offset + info.length:])
@@ -243,6 +244,12 @@ def _refusal(reader: str, root: Path, raw: bytes, model, out: Path, capsys) -> s
             open_megatron(_dist_root(root, metadata=raw))
         elif reader == "torch_dist .metadata via cli":
             return _cli_error(_dist_root(root, metadata=raw), out, capsys)
+        elif reader == "torch_dist tensor data":
+            folder = _dist_root(root) / "iter_0000001"
+            _replace_byte_entry(folder, "decoder.layers.mlp.linear_fc1.weight", as_torch)
+            reader_ = TorchDistCheckpoint.__new__(TorchDistCheckpoint)  # the tensor path alone (no args)
+            reader_.folder, reader_.metadata = folder, SafeReader(str(folder)).read_metadata()
+            reader_._read("decoder.layers.mlp.linear_fc1.weight", 0)
         elif reader == "torch_dist common.pt":
             open_megatron(_dist_root(root, common=as_torch))
         else:
@@ -253,7 +260,8 @@ def _refusal(reader: str, root: Path, raw: bytes, model, out: Path, capsys) -> s
 
 
 READERS = ["safe_load", "open_megatron", "load_checkpoint", "checkpoint_info", "load_megatron_weights", "cli",
-           "torch_dist .metadata", "torch_dist .metadata via cli", "torch_dist common.pt", "torch_dist byte entry"]
+           "torch_dist .metadata", "torch_dist .metadata via cli", "torch_dist common.pt", "torch_dist byte entry",
+           "torch_dist tensor data"]
 
 
 @pytest.mark.parametrize("reader", READERS)

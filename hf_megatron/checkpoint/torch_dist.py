@@ -34,7 +34,7 @@ from ..parallel.sharding import VOCAB_PARAMS
 from .args import config_from_args
 from .legacy import te_to_local_name
 from .reader import CheckpointReader, info_entries
-from .unpickle import first_line, load_pickle, safe_load
+from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
 
 _LAYERS = "decoder.layers."
 _MODEL_PREFIX = re.compile(r"^model\d*\.")
@@ -137,14 +137,16 @@ class TorchDistCheckpoint(CheckpointReader):
 
     def _load(self, state: dict, planner: ChunkPlanner) -> dict:
         try:
-            dcp.load(state, storage_reader=SafeReader(str(self.folder)), planner=planner, no_dist=True)
+            with own_safe_globals():  # DCP reads tensor data with torch.load(weights_only=True)
+                dcp.load(state, storage_reader=SafeReader(str(self.folder)), planner=planner, no_dist=True)
         except CheckpointError:
             raise
         except (Exception, DCPFailure) as exc:  # DCP wraps what its reader raised: surface ours, else one line
             cause = next((e for e in _causes(exc) if isinstance(e, CheckpointError)), None)
             if cause is not None:
                 raise cause from None
-            raise CheckpointError(f"{self.folder}: cannot read {planner.fqn!r} ({first_line(exc)})") from None
+            raise CheckpointError(f"{self.folder}: cannot read {planner.fqn!r} (not a loadable entry: "
+                                  f"{first_line(exc)})") from None
         return state
 
     def _read(self, key: str, layer: int | None) -> torch.Tensor:

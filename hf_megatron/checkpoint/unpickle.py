@@ -18,7 +18,7 @@ Three tables:
 `safe_load` reads torch files (`model_optim_rng.pt`, `optim_dp_*.pt`, `common.pt`, DCP byte
 entries) with `torch.load(weights_only=True)` and exactly REAL + STAND_INS allowed;
 process-wide additions other libraries make to torch's safe globals (megatron-core registers
-its own) are set aside while it runs.  `AllowListUnpickler` is a plain pickle.Unpickler over
+its own) are set aside while it runs (`own_safe_globals`, also around DCP's tensor reads).  `AllowListUnpickler` is a plain pickle.Unpickler over
 an explicit table (torch_dist's `.metadata`).
 """
 from __future__ import annotations
@@ -69,8 +69,8 @@ def stand_in(module: str, qualname: str) -> type:
 REAL: dict[tuple[str, str], object] = {
     ("argparse", "Namespace"): argparse.Namespace,
     ("types", "SimpleNamespace"): types.SimpleNamespace,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    **{(module, cls): getattr(pathlib, cls)  # pathlib._local: how Python >= 3.13 names them
+       for module in ("pathlib", "pathlib._local") for cls in ("PosixPath", "PurePosixPath")},
     ("_io", "BytesIO"): io.BytesIO,
     ("signal", "Signals"): signal.Signals,
 }
@@ -125,9 +125,9 @@ def load_pickle(file, allowed: dict[tuple[str, str], object], where: str):
 
 
 @contextlib.contextmanager
-def _own_safe_globals() -> Iterator[None]:
-    """torch's safe-globals set is process-wide (other libraries add to it): set it aside, so
-    that only torch's defaults and what we add inside hold while we load."""
+def own_safe_globals() -> Iterator[None]:
+    """torch's safe-globals set is process-wide (other libraries add to it; megatron-core does):
+    set it aside, so that only torch's defaults and what we add inside hold while we load."""
     saved = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
     try:
@@ -152,7 +152,7 @@ def safe_load(path, mmap: bool = False, stand_ins: Iterable[tuple[str, str]] = (
         raise CheckpointError(f"{path}: missing")
     source = path if is_stream else str(path)
     table = _table(stand_ins)
-    with _own_safe_globals():
+    with own_safe_globals():
         try:
             named = torch.serialization.get_unsafe_globals_in_checkpoint(source)
         except Exception as exc:
