@@ -14,7 +14,7 @@ from hf_megatron.parallel.sharding import load_full_weights
 from hf_megatron.architectures import base
 from hf_megatron.architectures.base import (FUSE_QKV, GATE_UP, IDENTITY, PACKED_QKV, TRANSPOSE, Architecture,
                                             MegatronArgs, Row)
-from hf_megatron.conversion import megatron_args
+from hf_megatron.checkpoint import args as megatron_args
 from tiny import tiny_config, tiny_hf_model
 
 FAMILIES = [("gpt2", {}), ("llama", {}), ("mistral", {}), ("qwen2", {}),
