@@ -45,6 +45,7 @@ class ModelConfig:
     add_qkv_bias: bool = False
     add_proj_bias: bool = False  # bias on linear_proj
     add_mlp_bias: bool = False  # bias on linear_fc1 / linear_fc2
+    qk_layernorm: bool = False  # per-head norm (over kv_channels) on q and k, before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
     hidden_dropout: float = 0.0
@@ -74,6 +75,8 @@ class ModelConfig:
             raise ConfigError(f"position_embedding_type must be 'rope' or 'learned_absolute', got {self.position_embedding_type!r}")
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise ConfigError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
+        if not isinstance(self.qk_layernorm, bool):
+            raise ConfigError(f"qk_layernorm must be true or false, got {self.qk_layernorm!r}")
         if self.activation not in ("swiglu", "gelu_tanh", "gelu"):
             raise ConfigError(f"activation must be 'swiglu', 'gelu_tanh' or 'gelu', got {self.activation!r}")
 

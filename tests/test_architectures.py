@@ -18,9 +18,9 @@ from hf_megatron.checkpoint import args as megatron_args
 from hf_megatron.checkpoint.args import config_from_args
 from tiny import tiny_config, tiny_hf_model
 
-FAMILIES = [("gpt2", {}), ("llama", {}), ("mistral", {}), ("qwen2", {}),
+FAMILIES = [("gpt2", {}), ("llama", {}), ("mistral", {}), ("qwen2", {}), ("qwen3", {}),
             ("llama", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True, num_key_value_heads=4))]
-IDS = ["gpt2", "llama", "mistral", "qwen2", "llama-biased-tied-mha"]
+IDS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "llama-biased-tied-mha"]
 
 
 def _hf_state(arch, **overrides):
@@ -107,7 +107,7 @@ def test_fused_qkv_is_laid_out_per_query_group():
 
 
 def test_unknown_model_type_and_unsupported_fields_are_one_line_config_errors():
-    with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'; supported: gpt2, llama, mistral, qwen2$"):
+    with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'; supported: gpt2, llama, mistral, qwen2, qwen3$"):
         architectures.get("bert")
     with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'"):
         architectures.plan_for(dataclasses.replace(ModelConfig.from_hf(tiny_config("llama")), model_type="bert"))

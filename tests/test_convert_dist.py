@@ -20,21 +20,24 @@ from tiny import rel_err
 IDS = torch.tensor([[3, 17, 250, 9, 41, 128, 77, 5, 299, 0, 64, 12]])
 
 
-def _mcore_model(config, pp_rank):
+def _mcore_model(config, pp_rank, tp=2, pp=2):
+    """megatron-core's GPTModel (local spec, CPU) for a Llama-style config (qk_layernorm: Qwen3)."""
     from megatron.core.models.gpt import GPTModel as McoreGPT
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     mcore_config = TransformerConfig(
         num_layers=config.num_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups, ffn_hidden_size=config.ffn_hidden_size, normalization="RMSNorm",
+        num_query_groups=config.num_query_groups, kv_channels=config.kv_channels, ffn_hidden_size=config.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=config.norm_epsilon, qk_layernorm=config.qk_layernorm,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=False,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, tensor_model_parallel_size=2,
-        pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    return McoreGPT(mcore_config, get_gpt_layer_local_spec(normalization="RMSNorm"),
-                    vocab_size=config.padded_vocab_size(2), max_sequence_length=config.max_position_embeddings,
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False,
-                    pre_process=pp_rank == 0, post_process=pp_rank == 1)
+        persist_layer_norm=False, gradient_accumulation_fusion=False, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    return McoreGPT(mcore_config, spec, vocab_size=config.padded_vocab_size(tp),
+                    max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=config.rotary_base, share_embeddings_and_output_weights=False,
+                    pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
 
 
 def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from hf_megatron.architectures import mcore_to_hf
 from hf_megatron.parallel.sharding import merge_tensor
@@ -32,6 +32,10 @@ def tiny_config(arch: str, **overrides):
         common.update(num_key_value_heads=2, tie_word_embeddings=False)
         common.update(overrides)
         return Qwen2Config(**common)
+    if arch == "qwen3":  # q/k norms; head_dim 32 != hidden / heads (16); untied
+        common.update(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+        common.update(overrides)
+        return Qwen3Config(**common)
     raise ValueError(arch)
 
 
@@ -39,11 +43,14 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
     model = model.float()
-    # HF zero-inits biases; randomise them so bias mapping errors would show
+    # HF zero-inits biases and sets the per-head q/k norms (Qwen3) to one; randomise them so
+    # mapping errors would show
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     return model
 
 

@@ -67,8 +67,10 @@ def llama_like_fields(data: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def is_llama_like(args: MegatronArgs) -> bool:
-    return args.normalization == "RMSNorm" and args.positions == "rope" and args.swiglu
+def is_llama_like(args: MegatronArgs, qk_layernorm: bool = False) -> bool:
+    """RMSNorm + RoPE + SwiGLU; per-head q/k norms (`--qk-layernorm`) only where asked (Qwen3)."""
+    return (args.normalization == "RMSNorm" and args.positions == "rope" and args.swiglu
+            and bool(args.get("qk_layernorm", False)) == qk_layernorm)
 
 
 def llama_like_hf_config(args: MegatronArgs) -> dict[str, Any]:
@@ -88,11 +90,17 @@ def _from_megatron_args(args: MegatronArgs) -> dict[str, Any] | None:
         return None
     config = llama_like_hf_config(args)
     config.update(attention_bias=args.bias_linear, mlp_bias=args.bias_linear)
-    if args.get("use_rope_scaling"):
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": args.get("rope_scaling_factor", 8.0),
-                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192}
+    config.update(llama3_rope_scaling(args))
     return config
+
+
+def llama3_rope_scaling(args: MegatronArgs) -> dict[str, Any]:
+    """Megatron-LM's `--use-rope-scaling` (Llama 3.1's scheme, fixed constants) as HF rope_scaling."""
+    if not args.get("use_rope_scaling"):
+        return {}
+    return {"rope_scaling": {"rope_type": "llama3", "factor": args.get("rope_scaling_factor", 8.0),
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
 
 
 LLAMA = Architecture("llama", ("LlamaForCausalLM",), llama_like_fields, WEIGHTS,

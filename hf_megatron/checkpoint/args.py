@@ -53,6 +53,7 @@ def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = 
         rope_scaling_factor=rope.get("factor", 8.0),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         add_qkv_bias=config.add_qkv_bias,
+        qk_layernorm=config.qk_layernorm,
         add_bias_linear=config.add_proj_bias or config.add_mlp_bias,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout,

@@ -4,8 +4,11 @@ linear_qkv's output rows are ordered per query group g = 0..ng-1 as
     [q heads of g (nh/ng of them), k_g, v_g]  each head hn wide,
 so a tensor-parallel rank owning groups [g0, g1) owns a contiguous row block: the module reads
 how many groups it holds from its weight's shape, which is all that tensor parallelism changes.
-Attention itself is `scaled_dot_product_attention` (causal; optional key-padding mask and
-sliding window).  Activations enter and leave as [s, b, h].
+With `qk_layernorm` (Qwen3) q and k are normalised per head over hn, after the projection and
+before RoPE:  q_h <- norm(q_h), k_g <- norm(k_g), one [hn] weight shared by all heads (so under
+tensor parallelism it is replicated and its gradient is summed over TP ranks, see
+`parallel.parallelize`).  Attention itself is `scaled_dot_product_attention` (causal; optional
+key-padding mask and sliding window).  Activations enter and leave as [s, b, h].
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norms import make_norm
 from .rotary import apply_rotary
 
 
@@ -56,6 +60,10 @@ class SelfAttention(nn.Module):
         self.heads_per_group, self.head_dim = nh // ng, hn
         self.linear_qkv = nn.Linear(config.hidden_size, ng * (nh // ng + 2) * hn, bias=config.add_qkv_bias,
                                     dtype=dtype, device=device)
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = make_norm(config, dtype=dtype, device=device, size=hn)
+            self.k_layernorm = make_norm(config, dtype=dtype, device=device, size=hn)
         self.core_attention = CoreAttention(config.attention_dropout, nh // ng)
         self.linear_proj = nn.Linear(nh * hn, config.hidden_size, bias=config.add_proj_bias, dtype=dtype, device=device)
 
@@ -65,6 +73,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, -1, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:  # per head, over hn: [s, b, heads, hn]
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
         if rotary is not None:
             cos, sin = rotary

@@ -19,9 +19,11 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)  # fused on CUDA; same expression elsewhere
 
 
-def make_norm(config, dtype=None, device=None) -> nn.Module:
+def make_norm(config, dtype=None, device=None, size: int | None = None) -> nn.Module:
+    """config's norm over the last dim, `size` wide (default hidden_size; kv_channels for q/k norms)."""
+    size = size or config.hidden_size
     if config.normalization == "RMSNorm":
-        return RMSNorm(config.hidden_size, config.norm_epsilon, dtype=dtype, device=device)
+        return RMSNorm(size, config.norm_epsilon, dtype=dtype, device=device)
     # PyTorch's own LayerNorm: on an H200 it beat a fused LayerNorm kernel of ours (0.76x forward,
     # 0.91x forward+backward, bench/RESULTS.md 2026-11-30), which was therefore deleted
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=dtype, device=device)
+    return nn.LayerNorm(size, eps=config.norm_epsilon, dtype=dtype, device=device)

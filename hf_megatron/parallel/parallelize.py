@@ -13,6 +13,9 @@ shapes and files agree.  The rest follows from where activations are split:
 * with sequence parallelism the word-embedding lookup reduce-scatters, position embeddings
   are scattered along the sequence, and the parameters that see a sequence shard only (norms,
   row-parallel biases) are tagged `sequence_parallel` so their gradients are summed over TP;
+* per-head q/k norms (`qk_layernorm`) get the same tag at any tp > 1, with or without SP: one
+  [hn] weight serves every head and each rank holds only its own heads, so its gradient is a
+  partial sum over heads (megatron-core's finalize_model_grads sums q/k_layernorm over TP too);
 * the loss becomes the vocab-parallel cross entropy (the full logits are never gathered for it).
 """
 from __future__ import annotations
@@ -104,6 +107,10 @@ def parallelize(model: nn.Module, plan: dict, group, sequence_parallel: bool = F
             _swap(model, name, TPDropout(module.p))
         elif sp and name.endswith("position_embeddings"):
             module.register_forward_hook(lambda _m, _args, out: comm.sp_scatter(out, group))
+        elif name.endswith(("self_attention.q_layernorm", "self_attention.k_layernorm")):
+            for p in module.parameters():
+                # not an SP param, but the same fix: this rank's heads give a partial grad, sum over TP
+                p.sequence_parallel = True
         elif sp and isinstance(module, (nn.LayerNorm, RMSNorm)):
             for p in module.parameters():
                 p.sequence_parallel = True  # grads from a sequence shard: all-reduce over TP
