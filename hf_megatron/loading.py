@@ -1,10 +1,11 @@
-"""Build this rank's model: plain GPTModel on meta -> pipeline chunk -> TP -> recompute -> weights.
+"""Build this rank's model: plain GPTModel on meta -> pipeline chunk -> TP -> compile -> recompute -> weights.
 
     with torch.device("meta"):
         whole = GPTModel(config, dtype)                             # full shapes, no memory
     chunk = split_module(whole, index, pp * vpp, layers_per_stage)   # this chunk's layers only
     parallelize(chunk, plan_for(config), tp_group, sequence_parallel)  # this rank's shards
-    apply_recompute(chunk, recompute)
+    apply_compile(chunk)                                              # if compile=True: per layer
+    apply_recompute(chunk, recompute)                                 # (checkpoint wraps compiled)
     chunk.to_empty(device=device); load weights                       # pretrained or Megatron init
 
 Weights arrive as *full* megatron-core tensors (from a transformers checkpoint through the
@@ -28,6 +29,7 @@ from .errors import CheckpointError
 from .model.gpt import GPTModel
 from .model.init import init_tensor
 from .parallel import state
+from .parallel.compile import apply_compile
 from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
 from .parallel.recompute import apply_recompute
@@ -86,12 +88,15 @@ def materialise(model: nn.Module, device) -> None:
 
 def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
-                dtype: torch.dtype | None = None, device=None, seed: int = 1234, init: bool = True) -> GPTModel:
+                compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
+                init: bool = True) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
     `init=False` leaves them unset, for a caller that fills them itself) or a transformers model /
-    folder / Hub id (its pretrained weights)."""
+    folder / Hub id (its pretrained weights).  `compile=True` (or a dict of `torch.compile` keywords,
+    e.g. {"mode": "max-autotune-no-cudagraphs"}) compiles each transformer layer and the loss
+    (`parallel.compile.apply_compile`), inside any recompute."""
     config = model_config(source)
     with torch.device("meta"):
         whole = GPTModel(config, dtype=dtype)
@@ -101,6 +106,9 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
         # to the first stage's by the pipeline's embedding-group gradient all-reduce (as Megatron)
         model.output_layer.weight = nn.Parameter(torch.empty_like(whole.embedding.word_embeddings.weight))
     parallelize(model, plan_for(config), state.tp_group() if tp_group is _GRID else tp_group, sequence_parallel)
+    if compile:
+        # before recompute: the checkpoint must wrap the compiled layer (see parallel/compile.py)
+        apply_compile(model, **(compile if isinstance(compile, dict) else {}))
     apply_recompute(model, recompute)
     materialise(model, device or "cpu")
     if isinstance(source, ModelConfig):
@@ -117,7 +125,7 @@ def from_pretrained(name_or_path_or_model: Any, *, dtype: torch.dtype | None = N
                     **kwargs: Any) -> GPTModel:
     """A GPTModel with the pretrained weights of a transformers causal LM (object, folder or Hub id).
 
-    Keyword arguments go to `build_model` (`sequence_parallel`, `recompute`, `tp_group`, `stage`,
+    Keyword arguments go to `build_model` (`sequence_parallel`, `recompute`, `compile`, `tp_group`, `stage`,
     `num_stages`, `layers_per_stage`).  After `hf_megatron.parallel.initialize(tp=...)` the model is
     tensor-parallel over the process grid's TP group and each rank loads only its shard."""
     return build_model(name_or_path_or_model, dtype=dtype, device=device, **kwargs)

@@ -1,0 +1,249 @@
+"""Single-GPU training throughput, transformers vs hf_megatron, eager vs torch.compile, in one run.
+
+    python bench/throughput.py --out results.json                       # 3 models x 4 variants, one H200
+    python bench/throughput.py --models llama-1b --variants ours ours-compile
+    python bench/throughput.py --device cpu --tiny                      # dry run (tiny configs, 1 step)
+
+Models (random weights, from transformers configs built directly; dropout 0):
+    gpt2-medium  355M   batch 16 x seq 1024
+    gpt2-xl      1.5B   batch  8 x seq 1024
+    llama-1b     1.2B   hidden 2048, 16 layers, 32 heads / 8 KV heads, ffn 8192, vocab 128256, tied;
+                        batch 8 x seq 2048
+Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids shifted by one):
+    hf-eager      transformers, fp32 weights under bf16 autocast, SDPA, fused torch AdamW
+    hf-compile    the same, the whole model compiled (`model.compile()`)
+    ours          hf_megatron: TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads --
+                  build_model from the transformers model object, build_optimizer, train_step
+    ours-compile  the same with build_model(..., compile=True): each layer and the loss compiled
+
+Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
+`--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
+    6 x (matmul parameters, output layer included even when tied) + 12 x layers x hidden x seq
+(forward + backward; attention scores counted over the full s x s square, PaLM's convention),
+MFU = tokens/s x FLOPs per token / the bf16 matmul peak measured in this run (bench/matmul_peak.py).
+Peak memory is torch.cuda.max_memory_allocated over the steps (weights, optimizer state and
+activations; the transformers copy that hf_megatron's variants are built from is gone by then).
+A variant that fails (out of memory, compile error) becomes a row with its error.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from matmul_peak import measure_bf16_peak  # noqa: E402
+
+VARIANTS = ("hf-eager", "hf-compile", "ours", "ours-compile")
+NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
+
+
+@dataclass
+class Spec:
+    family: str  # gpt2 | llama
+    batch: int
+    seq: int
+    config: dict  # transformers config fields
+
+
+MODELS = {
+    "gpt2-medium": Spec("gpt2", 16, 1024, dict(n_embd=1024, n_layer=24, n_head=16)),
+    "gpt2-xl": Spec("gpt2", 8, 1024, dict(n_embd=1600, n_layer=48, n_head=25)),
+    "llama-1b": Spec("llama", 8, 2048, dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                                            num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                            tie_word_embeddings=True, rope_theta=500000.0)),
+}
+TINY = {  # same families, CPU-sized
+    "gpt2-medium": Spec("gpt2", 2, 32, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=300, bos_token_id=0,
+                                            eos_token_id=0)),
+    "gpt2-xl": Spec("gpt2", 2, 32, dict(n_embd=80, n_layer=3, n_head=5, vocab_size=300, bos_token_id=0,
+                                        eos_token_id=0)),
+    "llama-1b": Spec("llama", 2, 32, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=300,
+                                          tie_word_embeddings=True)),
+}
+
+
+def hf_config(spec: Spec):
+    from transformers import GPT2Config, LlamaConfig
+    if spec.family == "gpt2":
+        return GPT2Config(n_positions=spec.seq, **NO_DROPOUT["gpt2"], **spec.config)
+    return LlamaConfig(max_position_embeddings=spec.seq, **spec.config)
+
+
+def hf_model(spec: Spec, device: str):
+    """The transformers model, fp32, random weights drawn on `device` (same seed for every variant)."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config(spec), attn_implementation="sdpa")
+
+
+def flops_per_token(spec: Spec) -> float:
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+    config = hf_config(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D)))
+    return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * spec.seq
+
+
+def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor):
+    model = hf_model(spec, device)
+    model.train()
+    if compile:
+        model.compile(mode=compile_mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss  # transformers shifts the labels
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step, None
+
+
+def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor):
+    from hf_megatron.model.gpt import shift_labels
+    from hf_megatron.parallel import state
+    from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
+    cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=1e-5, bf16=True, clip_grad=1.0)
+    setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
+    try:
+        source = hf_model(spec, device)
+        chunks = build_model(source, cfg, device=device, compile={"mode": compile_mode} if compile else False)
+        del source
+        optimizer = build_optimizer(chunks, cfg)
+    except BaseException:
+        state.reset()
+        raise
+    micro_batches = [{"input_ids": ids, "targets": shift_labels(ids)}]
+
+    def step() -> float:
+        return train_step(chunks, optimizer, None, micro_batches)["loss"]
+
+    return step, state.reset
+
+
+def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ids = torch.randint(0, hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
+                        generator=torch.Generator(args.device).manual_seed(1))
+    build = hf_step if variant.startswith("hf") else ours_step
+    step, cleanup = build(spec, args.device, variant.endswith("compile"), args.compile_mode, ids)
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        first_loss = float(step())
+        sync()
+        first_step_s = time.perf_counter() - start
+        for _ in range(args.warmup - 1):
+            step()
+        sync()
+        warmup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        sync()
+        step_s = (time.perf_counter() - start) / args.steps
+    finally:
+        if cleanup is not None:
+            cleanup()
+    tokens_per_s = spec.batch * spec.seq / step_s
+    from hf_megatron.kernels import kernels_available
+    return {"model": name, "variant": variant, "batch": spec.batch, "seq": spec.seq, "step_s": round(step_s, 4),
+            "tokens_per_s": round(tokens_per_s, 1), "mfu": round(tokens_per_s * flops / peak, 4) if peak else None,
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            "first_step_s": round(first_step_s, 2), "warmup_s": round(warmup_s, 2),
+            "first_loss": round(first_loss, 4), "loss": round(float(loss), 4),
+            # csrc kernels (RMSNorm, SwiGLU, rotary: llama only) ran in ours' eager code -- in ours-compile
+            # only the final norm is eager; their first build lands in first_step_s
+            "fused_kernels": variant.startswith("ours") and spec.family == "llama" and kernels_available()}
+
+
+def free_memory(device: str) -> None:
+    torch._dynamo.reset()  # compiled graphs hold their own buffers and cache entries
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """vs_best_hf: tokens/s over the faster transformers variant of the same model."""
+    for row in rows:
+        hf = [r["tokens_per_s"] for r in rows if r["model"] == row["model"] and r["variant"].startswith("hf")
+              and "error" not in r]
+        if "error" not in row and hf:
+            row["vs_best_hf"] = round(row["tokens_per_s"] / max(hf), 3)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | variant | tokens/s | MFU | peak mem GiB | first step s | warm-up s | loss | vs best transformers |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['variant']} | error: {r['error']} | | | | | | |")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else "-"
+        ratio = f"{r['vs_best_hf']:.2f}x" if "vs_best_hf" in r else "-"
+        lines.append(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
+                     f"{r['first_step_s']} | {r['warmup_s']} | {r['loss']} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 1 with --tiny)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, >= 1 (default 3; 1 with --tiny)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU dry run)")
+    parser.add_argument("--compile-mode", default=None, help="torch.compile mode for both compiled variants")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    args.steps = args.steps or (1 if args.tiny else 10)
+    args.warmup = max(1, args.warmup or (1 if args.tiny else 3))
+    specs = TINY if args.tiny else MODELS
+    peak = measure_bf16_peak(device=args.device) if args.device.startswith("cuda") else None
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"device {device_name}; measured bf16 matmul peak: "
+          f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'n/a (no CUDA)'}", flush=True)
+    rows = []
+    for name in args.models:
+        spec = specs[name]
+        flops = flops_per_token(spec)
+        for variant in args.variants:
+            free_memory(args.device)
+            try:
+                row = run_variant(name, spec, variant, args, flops, peak)
+            except Exception as error:  # out of memory, compile failure: a row, not a crash
+                row = {"model": name, "variant": variant,
+                       "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        free_memory(args.device)
+    add_ratios(rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": device_name, "bf16_peak_flops": peak, "rows": rows}, indent=1))
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

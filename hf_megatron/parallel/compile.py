@@ -1,0 +1,67 @@
+"""Regional torch.compile applied from outside: each transformer layer (and the loss) compiled.
+
+    parallelize(model, plan, tp_group)   # TP modules swapped in first
+    apply_compile(model)                 # then compile: layer.forward = torch.compile(layer.forward)
+    apply_recompute(model, "full")       # then recompute: the checkpoint wraps the *compiled* layer
+
+Why per layer: all layers run the same code, so dynamo compiles one graph and every layer reuses
+it (guards on shapes, not on the module), so compile time does not grow with depth, and the
+embedding / pipeline plumbing stays eager.  The vocab loss is a region of its own: compiled, the
+fp32 upcast of the [s, b, V] logits and the cross entropy fuse instead of materialising an fp32
+copy of the logits.  Forwards are replaced on the instance (as recompute does), so parameter
+and state-dict names do not change.  Inside a compiled region the fused csrc kernels fall back
+to their PyTorch expressions (`kernels._compiling`), which inductor fuses itself.
+
+Order with recompute (checked by tests/test_compile.py):
+* compile first, recompute second.  `recompute` wraps the layer's forward in
+  `checkpoint(replayable(forward))`; `replayable` keeps a call counter (it replays the TP dropout
+  stream on recomputation), a Python side effect that dynamo refuses inside a checkpoint, so a
+  layer compiled *after* full recompute graph-breaks at the checkpoint and runs entirely eager.
+  Compiled first, the eager checkpoint calls the compiled forward, and its recomputation in
+  backward replays the same compiled graph (same saved tensors, same numbers).
+  `apply_compile` raises if a layer is already recomputed.
+* "selective" recompute (core attention only) applied after compile: dynamo graph-breaks around
+  the checkpointed core attention (three compiled pieces per layer, attention itself eager under
+  the checkpoint).  Correct, a little less fused; with SDPA's flash/efficient kernels core
+  attention saves no s x s activations anyway, so under compile prefer no recompute or "full".
+
+Tensor parallelism: the collectives of `parallel.comm` (autograd Functions around
+torch.distributed calls) trace into the graph without a break.  The tensor-parallel RNG fork
+(`random.tp_rng`, around core attention and, with sequence parallelism, around dropouts) reads and
+sets generator states, which dynamo does not trace: once the RNG streams are seeded
+(`setup_parallel`), each fork is a graph break -- correct (checked against eager at tp=2, with and
+without SP), just split into more compiled pieces.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_COMPILED = "_hf_megatron_compiled"
+
+
+def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each region `apply_compile` compiles: `decoder.layers.N` and the loss."""
+    regions = []
+    for name, module in model.named_modules():
+        if (name.startswith("decoder.layers.") and name.count(".") == 2) or name == "vocab_loss":
+            regions.append((name, module))
+    return regions
+
+
+def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor",
+                  **compile_kwargs) -> nn.Module:
+    """Compile each transformer layer and the vocab loss of `model` in place; returns model.
+
+    `mode` and `backend` (and any other keyword) go to `torch.compile`.  Apply after
+    `parallelize` and before `apply_recompute` (see the module docstring); applying twice is a
+    no-op."""
+    for name, module in compiled_regions(model):
+        if getattr(module, _COMPILED, False):
+            continue
+        if hasattr(module.forward, "__wrapped__"):  # recompute's functools.wraps'd checkpoint
+            raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
+                             "then apply_recompute (the checkpoint must wrap the compiled forward)")
+        module.forward = torch.compile(module.forward, mode=mode, backend=backend, **compile_kwargs)
+        setattr(module, _COMPILED, True)
+    return model
