@@ -56,21 +56,14 @@ def _hf_source(source: Any) -> tuple[dict, Callable[[str], torch.Tensor]]:
     return checkpoint.config, checkpoint.get
 
 
-def model_config(source: Any) -> ModelConfig:
-    """The ModelConfig of a source (a ModelConfig, a transformers model, folder or Hub id)."""
-    return source if isinstance(source, ModelConfig) else ModelConfig.from_hf(_hf_source(source)[0])
-
-
-def init_pairs(model: nn.Module, seed: int) -> Iterable[tuple[str, torch.Tensor]]:
-    """Megatron-style initial full tensors for the parameters `model` holds (a tied output-layer
-    copy is drawn as the embedding it copies)."""
+def init_pairs(model: nn.Module, full_shapes: dict[str, torch.Size], seed: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """Megatron-style initial full tensors (of `full_shapes`, the whole model's) for the parameters
+    `model` holds; a tied output-layer copy is drawn as the embedding it copies."""
     config = model.config
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in GPTModel(config).state_dict().items()}
     for name, _ in model.named_parameters():
         if name == "output_layer.weight" and config.tie_word_embeddings:
             name = "embedding.word_embeddings.weight"
-        yield name, init_tensor(name, tuple(shapes[name]), config, seed)
+        yield name, init_tensor(name, tuple(full_shapes[name]), config, seed)
 
 
 PARAM_TAGS = ("tensor_parallel_dim", "sequence_parallel")  # set by parallelize, read by the optimizer
@@ -97,9 +90,14 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     folder / Hub id (its pretrained weights).  `compile=True` (or a dict of `torch.compile` keywords,
     e.g. {"mode": "max-autotune-no-cudagraphs"}) compiles each transformer layer and the loss
     (`parallel.compile.apply_compile`), inside any recompute."""
-    config = model_config(source)
+    if isinstance(source, ModelConfig):
+        config, get = source, None
+    else:
+        hf_config, get = _hf_source(source)  # opened once: config now, tensors after materialising
+        config = ModelConfig.from_hf(hf_config)
     with torch.device("meta"):
         whole = GPTModel(config, dtype=dtype)
+    shapes = {k: v.shape for k, v in whole.state_dict().items()}  # before parallelize shards `whole` itself
     model = split_module(whole, stage, num_stages, layers_per_stage) if num_stages > 1 else whole
     if model.output_layer is not None and model.output_layer.weight is None and model.embedding is None:
         # tied embeddings on a last stage without the embedding: it holds its own copy, kept equal
@@ -111,12 +109,10 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
         apply_compile(model, **(compile if isinstance(compile, dict) else {}))
     apply_recompute(model, recompute)
     materialise(model, device or "cpu")
-    if isinstance(source, ModelConfig):
-        if init:
-            load_full_weights(model, init_pairs(model, seed))
-    else:
-        _, get = _hf_source(source)
+    if get is not None:
         load_full_weights(model, hf_to_mcore(get, config, model.layer_numbers))
+    elif init:
+        load_full_weights(model, init_pairs(model, shapes, seed))
     model.activation_dtype = dtype or torch.get_default_dtype()  # what flows between pipeline stages
     return model
 

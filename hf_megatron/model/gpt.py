@@ -152,11 +152,6 @@ class GPTModel(nn.Module):
         """Global numbers of the layers this model (or pipeline stage) holds."""
         return [int(key) for key in self.decoder.layers.keys()]
 
-    def output_weight(self) -> torch.Tensor:
-        if self.output_layer.weight is not None:
-            return self.output_layer.weight
-        return self.embedding.word_embeddings.weight
-
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
@@ -184,8 +179,8 @@ class GPTModel(nn.Module):
         if self.output_layer is None:
             return GPTOutput(hidden_states=hidden)
 
-        logits = self.output_layer(hidden, self.embedding.word_embeddings.weight
-                                   if self.output_layer.weight is None else None)  # [s, b, V_padded(/tp)]
+        tied = self.embedding.word_embeddings.weight if self.embedding is not None else None
+        logits = self.output_layer(hidden, tied)  # [s, b, V_padded(/tp)]; its own weight when it has one
         out = GPTOutput()
         if targets is not None:
             targets = targets.t()

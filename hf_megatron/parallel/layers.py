@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .sharding import shard_tensor
+from .sharding import pad_vocab, shard_tensor
 
 
 def _param(full: torch.Tensor, style: str, parts: int, group, requires_grad: bool = True) -> nn.Parameter:
@@ -75,7 +75,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, embedding: nn.Embedding, group, padded_vocab: int, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _param(_padded(embedding.weight, padded_vocab), "vocab", 1, group, embedding.weight.requires_grad)
+        self.weight = _param(pad_vocab(embedding.weight, padded_vocab), "vocab", 1, group, embedding.weight.requires_grad)
         self.weight.tensor_parallel_dim = 0
         self.num_embeddings, self.embedding_dim = self.weight.shape
         self.vocab_start = comm.group_rank(group) * self.num_embeddings
@@ -99,7 +99,7 @@ class VocabParallelOutput(nn.Module):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
         weight = output_layer.weight
-        self.weight = None if weight is None else _param(_padded(weight, padded_vocab), "vocab", 1, group,
+        self.weight = None if weight is None else _param(pad_vocab(weight, padded_vocab), "vocab", 1, group,
                                                          weight.requires_grad)
         if self.weight is not None:
             self.weight.tensor_parallel_dim = 0
@@ -108,12 +108,3 @@ class VocabParallelOutput(nn.Module):
         x = comm.sp_gather(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
         return F.linear(x, self.weight if self.weight is not None else tied_weight)
 
-
-def _padded(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """A vocab table with `rows` rows (zero padding added, or surplus padding rows dropped)."""
-    if weight.shape[0] == rows:
-        return weight
-    if weight.shape[0] > rows:
-        return weight[:rows]
-    pad = torch.zeros((rows - weight.shape[0],) + tuple(weight.shape[1:]), dtype=weight.dtype, device=weight.device)
-    return torch.cat([weight.detach(), pad])

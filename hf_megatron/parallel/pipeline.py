@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm, state
-from .sharding import layers_per_stage_list
+from .sharding import stage_layers
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -59,9 +59,8 @@ def split_module(model: nn.Module, stage: int, num_stages: int, layers_per_stage
     the model's forward tolerates.  Meant for a model on the meta device (the copy is cheap);
     materialise the chunk afterwards."""
     blocks = list(model.get_submodule(layers).keys())
-    counts = layers_per_stage_list(len(blocks), num_stages, layers_per_stage)
-    start = sum(counts[:stage])
-    keep = set(blocks[start:start + counts[stage]])
+    held = stage_layers(len(blocks), num_stages, stage, layers_per_stage)
+    keep = set(blocks[held.start:held.stop])
     part = copy.deepcopy(model)
     container = part.get_submodule(layers)
     for key in blocks:

@@ -34,6 +34,7 @@ def split_rule(name: str, config) -> tuple[str, int | None, int]:
 
 
 def pad_vocab(tensor: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """A vocab table with `padded_rows` rows: zero rows added, or surplus padding rows dropped."""
     if tensor.shape[0] >= padded_rows:
         return tensor[:padded_rows]
     pad = tensor.new_zeros((padded_rows - tensor.shape[0],) + tuple(tensor.shape[1:]))
@@ -108,20 +109,18 @@ def load_full_weights(model: nn.Module, pairs: Iterable[tuple[str, torch.Tensor]
     tied_copy = model.output_layer is not None and model.embedding is None and config.tie_word_embeddings
     filled = set()
     for name, tensor in pairs:
-        targets = [name]
         if tied_copy and name == "embedding.word_embeddings.weight":
-            targets = ["output_layer.weight"]  # the last stage's copy of the tied table
-        for target in targets:
-            param = params.get(target)
-            if param is None:
-                continue
-            shard = split_tensor(target, tensor, config, tp)[rank]
-            if tuple(shard.shape) != tuple(param.shape):
-                raise CheckpointError(f"{target}: shape {tuple(tensor.shape)} does not fit the model "
-                                      f"(this rank expects {tuple(param.shape)} of it)")
-            with torch.no_grad():
-                param.copy_(shard)
-            filled.add(target)
+            name = "output_layer.weight"  # the last stage's copy of the tied table
+        param = params.get(name)
+        if param is None:
+            continue
+        shard = split_tensor(name, tensor, config, tp)[rank]
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(f"{name}: shape {tuple(tensor.shape)} does not fit the model "
+                                  f"(this rank expects {tuple(param.shape)} of it)")
+        with torch.no_grad():
+            param.copy_(shard)
+        filled.add(name)
     missing = [n for n in params if n not in filled]
     if missing:
         raise CheckpointError(f"weights do not cover the model: missing {missing[:5]}"
