@@ -96,12 +96,12 @@ def flops_per_token(spec: Spec) -> float:
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * spec.seq
 
 
-def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor):
+def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5):
     model = hf_model(spec, device)
     model.train()
     if compile:
         model.compile(mode=compile_mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
 
     def step() -> torch.Tensor:
         with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
@@ -115,11 +115,11 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
     return step, None
 
 
-def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor):
+def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
-    cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=1e-5, bf16=True, clip_grad=1.0)
+    cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0)
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -143,7 +143,7 @@ def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: f
     ids = torch.randint(0, hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(1))
     build = hf_step if variant.startswith("hf") else ours_step
-    step, cleanup = build(spec, args.device, variant.endswith("compile"), args.compile_mode, ids)
+    step, cleanup = build(spec, args.device, variant.endswith("compile"), args.compile_mode, ids, lr=args.lr)
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -216,6 +216,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU dry run)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for both compiled variants")
+    parser.add_argument("--lr", type=float, default=1e-5,
+                        help="AdamW lr for both sides (at 1e-5 most bf16 weights stay put for ~10 steps: an update "
+                             "below half a bf16 ulp rounds away, so the loss columns lag the fp32-weight anchor)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     args.steps = args.steps or (1 if args.tiny else 10)

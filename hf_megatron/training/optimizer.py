@@ -24,6 +24,8 @@ owns a parameter; the other dp ranks receive the updated (model-dtype) parameter
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -149,10 +151,13 @@ class MixedPrecisionOptimizer:
         return [grad_of(p) for p in self.model_params]
 
     def zero_grad(self) -> None:
+        main_grads = []
         for p in self.model_params:
             p.grad = None
             if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()
+                main_grads.append(p.main_grad)
+        if main_grads:
+            torch._foreach_zero_(main_grads)  # one launch per group of tensors, not one per param
 
     def _pairs(self):
         """(model param, main param) for the params this rank updates."""
@@ -164,13 +169,17 @@ class MixedPrecisionOptimizer:
         """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm or None if skipped)."""
         grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
                  for g, p in zip(self.grads(), self.model_params)]
-        if self.scaler.scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-        found_inf = self._found_inf(grads)
-        self.scaler.update(found_inf)
-        if found_inf:
-            return False, None
+        if self.scaler.dynamic or self.scaler.scale != 1.0:
+            # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
+            found_inf = self._unscale_and_check(grads)
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False, None
         norm = self.grad_norm(grads)
+        if not math.isfinite(norm):
+            # bf16 / fp32 (no scaler): a non-finite gradient shows in the global norm, which is
+            # all-reduced over the model-parallel group and equal on dp ranks (grads are summed)
+            return False, None
         if self.clip_grad and self.clip_grad > 0:
             coeff = self.clip_grad / (norm + 1e-6)
             if coeff < 1.0:
@@ -179,22 +188,27 @@ class MixedPrecisionOptimizer:
             if main is not None:
                 main.grad = g
         self.optimizer.step()
+        halves = []
         for p, main in self._pairs():
             main.grad = None
             if main is not p:
-                p.copy_(main)
+                halves.append((p, main))
+        if halves:
+            torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])  # cast back, fused
         if self.zero is not None:
             self.zero.broadcast()
         return True, norm
 
-    def _found_inf(self, grads) -> bool:
+    def _unscale_and_check(self, grads) -> bool:
+        """grads *= 1/S in place; True if any grad on any rank is inf/nan (one host sync)."""
         device = grads[0].device if grads else torch.device("cpu")
-        flag = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:  # stays on the device: one host sync below
-            flag = torch.maximum(flag, (~torch.isfinite(g)).any().float())
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            inv_scale = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank must skip together
-        return bool(flag.item())
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank must skip together
+        return bool(found.item())
 
     def grad_norm(self, grads=None) -> float:
         grads = self.grads() if grads is None else grads

@@ -1,0 +1,110 @@
+"""Where one train step's GPU time goes: torch.profiler over a few steps of bench/throughput.py's
+variants, side by side, kernels grouped by kind.
+
+    python bench/profile_step.py --model gpt2-medium --variants hf-compile ours-compile
+    python bench/profile_step.py --device cpu --tiny --model llama-1b        # dry run
+
+Prints per variant: wall ms/step, summed GPU kernel ms/step (the gap is host-side idle time), and
+the kernel time per group (matmul, attention, elementwise/fused, copies, reductions, optimizer,
+memset, communication) and the top kernels by total time.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402
+
+GROUPS = [  # first match wins; the patterns are kernel-name fragments
+    ("attention", r"flash|fmha|cudnn|sdpa|attention"),
+    ("matmul", r"gemm|cutlass|sm90_xmma|nvjet|matmul|wgmma"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("memset/fill", r"fill|memset|zero"),
+    ("copy/cast", r"copy|memcpy|cast|convert"),
+    ("reduction", r"reduce|sum|norm_kernel|max"),
+    ("compiled (triton)", r"triton"),
+    ("communication", r"nccl|allreduce|allgather"),
+]
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    for group, pattern in GROUPS:
+        if re.search(pattern, lowered):
+            return group
+    return "other elementwise"
+
+
+def profile_variant(name: str, variant: str, args) -> dict:
+    spec = (throughput.TINY if args.tiny else throughput.MODELS)[name]
+    ids = torch.randint(0, throughput.hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
+                        generator=torch.Generator(args.device).manual_seed(1))
+    build = throughput.hf_step if variant.startswith("hf") else throughput.ours_step
+    step, cleanup = build(spec, args.device, variant.endswith("compile"), None, ids, lr=args.lr)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    try:
+        for _ in range(args.warmup):
+            step()
+        sync()
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            sync()
+            wall = (time.perf_counter() - start) / args.steps
+    finally:
+        if cleanup is not None:
+            cleanup()
+    per_group, per_kernel = defaultdict(float), defaultdict(float)
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if cuda and getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        if not device_us:
+            continue
+        per_group[group_of(event.key)] += device_us / 1e3 / args.steps
+        per_kernel[event.key] += device_us / 1e3 / args.steps
+    return {"model": name, "variant": variant, "wall_ms": wall * 1e3, "kernel_ms": sum(per_group.values()),
+            "groups": dict(per_group), "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(throughput.MODELS), default="gpt2-medium")
+    parser.add_argument("--variants", nargs="+", choices=throughput.VARIANTS, default=["hf-compile", "ours-compile"])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    results = []
+    for variant in args.variants:
+        throughput.free_memory(args.device)
+        results.append(profile_variant(args.model, variant, args))
+    groups = sorted({g for r in results for g in r["groups"]})
+    print(f"\n{args.model}: ms per step")
+    print("| | " + " | ".join(r["variant"] for r in results) + " |")
+    print("| --- |" + " --- |" * len(results))
+    print("| wall | " + " | ".join(f"{r['wall_ms']:.1f}" for r in results) + " |")
+    print("| GPU kernels | " + " | ".join(f"{r['kernel_ms']:.1f}" for r in results) + " |")
+    for group in groups:
+        print(f"| {group} | " + " | ".join(f"{r['groups'].get(group, 0.0):.1f}" for r in results) + " |")
+    for r in results:
+        print(f"\n{r['variant']} top kernels (ms/step):")
+        for key, ms in r["top"]:
+            print(f"  {ms:7.2f}  {key[:110]}")
+
+
+if __name__ == "__main__":
+    main()
