@@ -46,8 +46,7 @@ def profile_variant(name: str, variant: str, args) -> dict:
     spec = (throughput.TINY if args.tiny else throughput.MODELS)[name]
     ids = torch.randint(0, throughput.hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(1))
-    build = throughput.hf_step if variant.startswith("hf") else throughput.ours_step
-    step, cleanup = build(spec, args.device, variant.endswith("compile"), None, ids, lr=args.lr)
+    step, cleanup = throughput.make_step(spec, variant, args.device, None, ids, args.lr)
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])

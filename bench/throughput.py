@@ -1,6 +1,6 @@
 """Single-GPU training throughput, transformers vs hf_megatron, eager vs torch.compile, in one run.
 
-    python bench/throughput.py --out results.json                       # 3 models x 4 variants, one H200
+    python bench/throughput.py --out results.json                       # 3 models x 6 variants, one H200
     python bench/throughput.py --models llama-1b --variants ours ours-compile
     python bench/throughput.py --device cpu --tiny                      # dry run (tiny configs, 1 step)
 
@@ -14,7 +14,10 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     hf-compile    the same, the whole model compiled (`model.compile()`)
     ours          hf_megatron: TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads --
                   build_model from the transformers model object, build_optimizer, train_step
+    hf-liger      hf-eager with liger-kernel's patches on the model instance (RMSNorm, SwiGLU, rope,
+                  fused linear cross entropy); Llama only (liger has no GPT-2 patch: the row says so)
     ours-compile  the same with build_model(..., compile=True): each layer and the loss compiled
+    ours-float8   ours-compile with the layers' linears in torchao float8 (parallel/float8.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -41,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
 
-VARIANTS = ("hf-eager", "hf-compile", "ours", "ours-compile")
+VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-float8")
+LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
 
@@ -96,9 +100,15 @@ def flops_per_token(spec: Spec) -> float:
     return 6 * matmul_params + 12 * config.num_hidden_layers * config.hidden_size * spec.seq
 
 
-def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5):
+def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
+            liger: bool = False):
     model = hf_model(spec, device)
     model.train()
+    if liger:
+        if spec.family not in LIGER:
+            raise NotImplementedError(f"liger-kernel has no patch for {spec.family}")
+        import liger_kernel.transformers as liger_kernel
+        getattr(liger_kernel, LIGER[spec.family])(model=model)
     if compile:
         model.compile(mode=compile_mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
@@ -115,7 +125,8 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
     return step, None
 
 
-def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5):
+def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
+              float8: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -123,8 +134,14 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
-        chunks = build_model(source, cfg, device=device, compile={"mode": compile_mode} if compile else False)
+        chunks = build_model(source, cfg, device=device,
+                             compile={"mode": compile_mode} if compile and not float8 else False)
         del source
+        if float8:  # from outside, like TP: float8 linears first, then the regional compile
+            from hf_megatron.parallel.compile import apply_compile
+            from hf_megatron.parallel.float8 import apply_float8
+            for chunk in chunks:
+                apply_compile(apply_float8(chunk), mode=compile_mode)
         optimizer = build_optimizer(chunks, cfg)
     except BaseException:
         state.reset()
@@ -137,13 +154,19 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     return step, state.reset
 
 
+def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, ids: torch.Tensor, lr: float):
+    """(step function, cleanup or None) for one variant of VARIANTS."""
+    if variant.startswith("hf"):
+        return hf_step(spec, device, variant == "hf-compile", compile_mode, ids, lr=lr, liger=variant == "hf-liger")
+    return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8")
+
+
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     ids = torch.randint(0, hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(1))
-    build = hf_step if variant.startswith("hf") else ours_step
-    step, cleanup = build(spec, args.device, variant.endswith("compile"), args.compile_mode, ids, lr=args.lr)
+    step, cleanup = make_step(spec, variant, args.device, args.compile_mode, ids, args.lr)
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
