@@ -1,6 +1,6 @@
 """Single-GPU training throughput, transformers vs hf_megatron, eager vs torch.compile, in one run.
 
-    python bench/throughput.py --out results.json                       # 3 models x 6 variants, one H200
+    python bench/throughput.py --out results.json                       # 3 models x 7 variants, one H200
     python bench/throughput.py --models llama-1b --variants ours ours-compile
     python bench/throughput.py --device cpu --tiny                      # dry run (tiny configs, 1 step)
 
@@ -17,7 +17,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     hf-liger      hf-eager with liger-kernel's patches on the model instance (RMSNorm, SwiGLU, rope,
                   fused linear cross entropy); Llama only (liger has no GPT-2 patch: the row says so)
     ours-compile  the same with build_model(..., compile=True): each layer and the loss compiled
-    ours-float8   ours-compile with the layers' linears in torchao float8 (parallel/float8.py)
+    ours-fused-ce ours-compile with the output layer + cross entropy in chunks (parallel/linear_loss.py)
+    ours-float8   ours-fused-ce with the layers' linears in torchao float8 (parallel/float8.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
 
-VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-float8")
+VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -126,7 +127,7 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
-              float8: bool = False):
+              float8: bool = False, fused_loss: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -134,7 +135,7 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
-        chunks = build_model(source, cfg, device=device,
+        chunks = build_model(source, cfg, device=device, fused_loss=fused_loss,
                              compile={"mode": compile_mode} if compile and not float8 else False)
         del source
         if float8:  # from outside, like TP: float8 linears first, then the regional compile
@@ -158,7 +159,8 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
     """(step function, cleanup or None) for one variant of VARIANTS."""
     if variant.startswith("hf"):
         return hf_step(spec, device, variant == "hf-compile", compile_mode, ids, lr=lr, liger=variant == "hf-liger")
-    return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8")
+    return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8",
+                     fused_loss=variant in ("ours-fused-ce", "ours-float8"))
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:

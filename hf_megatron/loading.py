@@ -30,6 +30,7 @@ from .model.gpt import GPTModel
 from .model.init import init_tensor
 from .parallel import state
 from .parallel.compile import apply_compile
+from .parallel.linear_loss import apply_fused_linear_loss
 from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
 from .parallel.recompute import apply_recompute
@@ -82,14 +83,16 @@ def materialise(model: nn.Module, device) -> None:
 def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
                 compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
-                init: bool = True) -> GPTModel:
+                init: bool = True, fused_loss: bool = False) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
     `init=False` leaves them unset, for a caller that fills them itself) or a transformers model /
     folder / Hub id (its pretrained weights).  `compile=True` (or a dict of `torch.compile` keywords,
     e.g. {"mode": "max-autotune-no-cudagraphs"}) compiles each transformer layer and the loss
-    (`parallel.compile.apply_compile`), inside any recompute."""
+    (`parallel.compile.apply_compile`), inside any recompute.  `fused_loss=True` computes the output
+    layer and the cross entropy in chunks on the training path (`parallel.linear_loss`): no whole
+    [tokens, vocab] logits."""
     if isinstance(source, ModelConfig):
         config, get = source, None
     else:
@@ -104,6 +107,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
         # to the first stage's by the pipeline's embedding-group gradient all-reduce (as Megatron)
         model.output_layer.weight = nn.Parameter(torch.empty_like(whole.embedding.word_embeddings.weight))
     parallelize(model, plan_for(config), state.tp_group() if tp_group is _GRID else tp_group, sequence_parallel)
+    if fused_loss and model.post_process:
+        apply_fused_linear_loss(model)  # output layer + loss in chunks (parallel/linear_loss.py)
     if compile:
         # before recompute: the checkpoint must wrap the compiled layer (see parallel/compile.py)
         apply_compile(model, **(compile if isinstance(compile, dict) else {}))

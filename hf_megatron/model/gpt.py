@@ -180,6 +180,14 @@ class GPTModel(nn.Module):
             return GPTOutput(hidden_states=hidden)
 
         tied = self.embedding.word_embeddings.weight if self.embedding is not None else None
+        if targets is not None and not return_logits and getattr(self.vocab_loss, "fused_with_output", False):
+            # output layer + loss in chunks (parallel/linear_loss.py): no [s, b, V] logits
+            targets = targets.t()
+            weight = self.output_layer.weight if self.output_layer.weight is not None else tied
+            out = GPTOutput(loss_sum=self.vocab_loss.linear_loss_sum(hidden, weight, targets),
+                            num_tokens=(targets != IGNORE_INDEX).sum())
+            out.loss = out.loss_sum / out.num_tokens.clamp(min=1)
+            return out
         logits = self.output_layer(hidden, tied)  # [s, b, V_padded(/tp)]; its own weight when it has one
         out = GPTOutput()
         if targets is not None:

@@ -63,5 +63,7 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
             raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
                              "then apply_recompute (the checkpoint must wrap the compiled forward)")
         module.forward = torch.compile(module.forward, mode=mode, backend=backend, **compile_kwargs)
+        if hasattr(module, "compile_chunks"):  # the fused output layer + loss (parallel/linear_loss.py)
+            module.compile_chunks(mode=mode, backend=backend, **compile_kwargs)
         setattr(module, _COMPILED, True)
     return model

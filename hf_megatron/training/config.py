@@ -111,6 +111,11 @@ class TrainingConfig:
                                              help="shard optimizer state over dp ranks (ZeRO-1)")
     recompute_granularity: str | None = option(None, group="training", choices=RECOMPUTE_GRANULARITIES,
                                                help="activation recomputation (default: none)")
+    torch_compile: bool = option(False, group="speed",
+                                 help="torch.compile each transformer layer and the loss (regional compile)")
+    cross_entropy_loss_fusion: bool = option(
+        False, group="speed", help="output layer + cross entropy in chunks, no whole [tokens, vocab] logits: less "
+                                   "memory, a few %% slower (bench/RESULTS.md)")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

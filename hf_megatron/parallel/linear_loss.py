@@ -1,0 +1,147 @@
+"""Output layer and cross entropy fused, chunk by chunk: the [tokens, vocab] logits never exist whole.
+
+    apply_fused_linear_loss(model)     # after parallelize, before compile / recompute
+    out = model(input_ids, targets=targets, return_logits=False)   # out.loss_sum as before
+
+For a chunk of c token rows H_c [c, h] against this rank's vocabulary rows W [V_r, h]
+(rank r owns columns [v0, v0 + V_r) of the padded vocabulary; columns >= vocab_size are padding):
+
+    Z = H_c W^T (model dtype, then fp32)          m = max_v Z   (all-reduce MAX over TP)
+    S = sum_v exp(Z - m)  (all-reduce SUM)        z_t = Z[target] on the rank that owns it (SUM)
+    loss_i = log S_i + m_i - z_t,i                (0 where target = -100)
+    dL/dZ = softmax(Z) - onehot(target) = P       (rows of ignored targets: 0)
+    dL/dH_c = P W      (partial over TP: the input's copy_to_tp / sp_gather backward sums it)
+    dL/dW  += P^T H_c  (fp32 accumulator over chunks)
+
+The forward returns the summed loss and already holds both gradients (Liger's trick: no second
+pass over the vocabulary in backward); backward scales them by the incoming scalar gradient.  That
+is exact because the training loss is a scalar multiple of the summed token losses.  Peak extra
+memory is one fp32 chunk [c, V_r] (~`chunk_bytes`) plus an fp32 [V_r, h] weight-gradient buffer,
+instead of bf16 logits + fp32 upcast + bf16 logit grads for every token.  Only the training path
+(targets given, `return_logits=False`) is fused; asking for logits takes the unfused path.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+
+IGNORE_INDEX = -100
+
+
+def _chunk_stats(z: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor, vocab_limit: int):
+    """fp32 logits of a chunk with padding masked, their row max, and the owned target logit."""
+    z = z.float()
+    if vocab_limit < z.shape[-1]:
+        z[:, vocab_limit:] = float("-inf")
+    row_max = z.max(dim=-1).values
+    picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~inside, 0.0)
+    return z, row_max, picked
+
+
+def _chunk_probs(z: torch.Tensor, row_max: torch.Tensor):
+    """exp(z - m) in place, and its row sum."""
+    z.sub_(row_max.unsqueeze(-1)).exp_()
+    return z, z.sum(dim=-1)
+
+
+def _chunk_grad(e: torch.Tensor, sum_exp, row_max, picked, local_target, inside, ignored, dtype):
+    """Summed chunk loss and P = softmax - onehot in `dtype` (rows of ignored targets zero)."""
+    loss = (torch.log(sum_exp) + row_max - picked).masked_fill(ignored, 0.0).sum()
+    e.div_(sum_exp.unsqueeze(-1))
+    e.scatter_add_(1, local_target.unsqueeze(-1), -inside.to(e.dtype).unsqueeze(-1))
+    return loss, e.masked_fill_(ignored.unsqueeze(-1), 0.0).to(dtype)
+
+
+EAGER = (_chunk_stats, _chunk_probs, _chunk_grad)
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_size: int, chunk_rows: int, group, fns=EAGER):
+        stats, probs, grad = fns
+        rows, per_rank = hidden.shape[0], weight.shape[0]
+        vocab_start = comm.group_rank(group) * per_rank
+        vocab_limit = max(0, min(per_rank, vocab_size - vocab_start))  # local columns that are real
+        tp = comm.group_size(group)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+            if weight.requires_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk_rows):
+            h, t = hidden[start:start + chunk_rows], targets[start:start + chunk_rows]
+            ignored = t == IGNORE_INDEX
+            local_target = t - vocab_start
+            inside = (local_target >= 0) & (local_target < per_rank) & ~ignored
+            local_target = local_target.masked_fill(~inside, 0)
+            z, row_max, picked = stats(h @ weight.t(), local_target, inside, vocab_limit)
+            if tp > 1:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(picked, group=group)
+            e, sum_exp = probs(z, row_max)
+            if tp > 1:
+                dist.all_reduce(sum_exp, group=group)
+            loss, p = grad(e, sum_exp, row_max, picked, local_target, inside, ignored, hidden.dtype)
+            total += loss
+            grad_hidden[start:start + chunk_rows] = p @ weight
+            if grad_weight is not None:
+                grad_weight.add_(p.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
+        ctx.weight_dtype, ctx.has_weight_grad = weight.dtype, grad_weight is not None
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        dh = grad_hidden * grad_total.to(grad_hidden.dtype)
+        dw = (grad_weight * grad_total).to(ctx.weight_dtype) if ctx.has_weight_grad else None
+        return dh, dw, None, None, None, None, None
+
+
+class FusedLinearLoss(nn.Module):
+    """Replaces the model's `vocab_loss`: `linear_loss_sum` computes the output layer and the summed
+    cross entropy in chunks; `forward` / `full_logits` keep the unfused path for logits."""
+
+    fused_with_output = True
+
+    def __init__(self, inner: nn.Module, group=None, sequence_parallel: bool = False, chunk_bytes: int = 2 ** 29):
+        super().__init__()
+        self.inner, self.group, self.sequence_parallel = inner, group, sequence_parallel
+        self.vocab_size, self.chunk_bytes = inner.vocab_size, chunk_bytes
+        self.fns = EAGER
+
+    def compile_chunks(self, **compile_kwargs) -> None:
+        """torch.compile the per-chunk elementwise work (called by parallel.compile.apply_compile):
+        the fp32 upcast, exp, normalisation and cast back fuse into a few passes over the chunk."""
+        self.fns = tuple(torch.compile(fn, **compile_kwargs) for fn in EAGER)
+
+    def forward(self, logits, targets):
+        return self.inner(logits, targets)
+
+    def full_logits(self, logits):
+        return self.inner.full_logits(logits)
+
+    def linear_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """hidden [s(/tp), b, h] after the final norm, weight [V_r, h], targets [s, b] -> fp32 sum."""
+        if comm.group_size(self.group) > 1:
+            hidden = comm.sp_gather(hidden, self.group) if self.sequence_parallel else comm.copy_to_tp(hidden, self.group)
+        flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        chunk_rows = max(1, self.chunk_bytes // (4 * weight.shape[0]))
+        chunks = math.ceil(flat.shape[0] / chunk_rows)
+        chunk_rows = math.ceil(flat.shape[0] / chunks)  # even chunks: at most two shapes
+        return _FusedLinearCrossEntropy.apply(flat, weight, flat_targets, self.vocab_size, chunk_rows, self.group,
+                                              self.fns)
+
+
+def apply_fused_linear_loss(model: nn.Module, chunk_bytes: int = 2 ** 29) -> nn.Module:
+    """Swap `model.vocab_loss` (plain or vocab-parallel) for the fused version, in place."""
+    loss = getattr(model, "vocab_loss", None)
+    if loss is None or isinstance(loss, FusedLinearLoss):
+        return model
+    group = getattr(model, "tp_group", None) if comm.group_size(getattr(model, "tp_group", None)) > 1 else None
+    model.vocab_loss = FusedLinearLoss(loss, group, getattr(model, "sequence_parallel", False), chunk_bytes)
+    return model
