@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from tiny import VOCAB, hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_hf_model
+from tiny import VOCAB, hf_grads_from_mcore, hf_reference, local_grads, merge_shards, rel_err, tiny_hf_model
 
 TOL = 1e-5
 CHUNK_BYTES = 4 * 384 * 7  # 7 token rows per chunk at tp=1 (14 at tp=2): 32 tokens -> several chunks
@@ -19,13 +19,7 @@ def _batch():
 
 
 def _reference(arch):
-    hf = tiny_hf_model(arch)
-    ids, labels = _batch()
-    out = hf(input_ids=ids, labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    if hf.config.tie_word_embeddings:
-        grads.pop("lm_head.weight", None)
+    out, grads = hf_reference(arch, *_batch())
     return out.loss, grads
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dist import run_distributed
-from tiny import VOCAB, hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_hf_model
+from tiny import VOCAB, hf_grads_from_mcore, hf_reference, local_grads, merge_shards, rel_err, tiny_hf_model
 
 TOL = 1e-5
 # GQA with 4 query groups so that tp=4 still holds whole groups
@@ -42,14 +42,8 @@ def _tp_worker(rank, world):
 
 
 def _reference(arch):
-    hf = tiny_hf_model(arch, **CASES[arch])
-    ids, labels = _batch()
-    out = hf(input_ids=ids, labels=labels)
-    out.loss.backward()
-    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
-    if hf.config.tie_word_embeddings:
-        grads.pop("lm_head.weight", None)
-    return out, grads, hf_megatron_config(hf)
+    out, grads = hf_reference(arch, *_batch(), **CASES[arch])
+    return out, grads, hf_megatron_config(tiny_hf_model(arch, **CASES[arch]))
 
 
 def hf_megatron_config(hf):

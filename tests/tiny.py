@@ -83,3 +83,15 @@ def engine_batch(mb: dict) -> dict:
 
 def engine_batches(mbs: list[dict]) -> list[dict]:
     return [engine_batch(mb) for mb in mbs]
+
+
+def hf_reference(arch: str, ids: torch.Tensor, labels: torch.Tensor, **overrides):
+    """transformers' output and parameter grads for one batch (tied lm_head grad dropped: it is the
+    embedding's)."""
+    hf = tiny_hf_model(arch, **overrides)
+    out = hf(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+    if hf.config.tie_word_embeddings:
+        grads.pop("lm_head.weight", None)
+    return out, grads
