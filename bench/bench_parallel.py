@@ -2,6 +2,13 @@
 
     torchrun --nproc-per-node 2 bench/bench_parallel.py --model 3b --tp 2 --sp --dist-opt --out r.json
     python bench/bench_parallel.py --model 3b --hf-anchor --out anchor.json   # transformers, 1 GPU
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --model gpt2-xl --overlap-grad-reduce --compile --out r.json
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --model gpt2-xl --hf-ddp --compile --out ddp.json
+
+Models: the Llama-style shapes below, and bench/throughput.py's single-GPU models (gpt2-medium,
+gpt2-xl, llama-1b: built from their transformers configs, FLOPs counted as there).  `--hf-ddp`:
+transformers (fp32 weights, bf16 autocast, SDPA, fused AdamW, optionally compiled) under torch DDP,
+micro batches accumulated under `no_sync` -- the multi-GPU anchor.
 
 Model FLOPs per token (forward + backward = 3 x forward), causal attention counted once:
     6 * (matmul params, embedding lookups excluded, output layer included) + 6 * L * s * h
@@ -12,6 +19,7 @@ Weights are random (normal(0, 0.02), drawn on the GPU): speed does not depend on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -22,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  (the single-GPU issue's model specs)
 
 MODELS = {
     # issue 7: Llama-style ~3B
@@ -40,11 +50,16 @@ DATASHEET_PEAK = 989e12
 
 def model_config(name: str, seq: int):
     from hf_megatron.config import ModelConfig
+    if name in throughput.MODELS:
+        return ModelConfig.from_hf(throughput.hf_config(throughput.Spec(**{**throughput.MODELS[name].__dict__,
+                                                                            "seq": seq})))
     return ModelConfig(model_type="llama", max_position_embeddings=seq, rotary_base=500000.0,
                        norm_epsilon=1e-5, **MODELS[name])
 
 
-def flops_per_token(cfg, seq: int) -> float:
+def flops_per_token(cfg, seq: int, name: str | None = None) -> float:
+    if name in throughput.MODELS:
+        return throughput.flops_per_token(throughput.Spec(**{**throughput.MODELS[name].__dict__, "seq": seq}))
     h, L, f = cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size
     qkv = h * (cfg.num_attention_heads + 2 * cfg.num_query_groups) * cfg.kv_channels
     proj = cfg.num_attention_heads * cfg.kv_channels * h
@@ -76,7 +91,8 @@ def run_megatron(args) -> dict:
         micro_batch_size=args.mbs, global_batch_size=args.gbs, train_iters=args.steps + args.warmup, lr=1e-5,
         bf16=True, tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, sequence_parallel=args.sp,
-        use_distributed_optimizer=args.dist_opt, recompute_granularity=args.recompute)
+        use_distributed_optimizer=args.dist_opt, recompute_granularity=args.recompute, torch_compile=args.compile,
+        **{name: True for name in ("overlap_grad_reduce", "overlap_param_gather") if getattr(args, name)})
     trainer.setup_parallel(cfg)
     grid = state.get_state()
     model_cfg = model_config(args.model, args.seq)
@@ -102,7 +118,54 @@ def run_megatron(args) -> dict:
     elapsed = (time.perf_counter() - start) / args.steps
     world = dist.get_world_size() if dist.is_initialized() else 1
     return summarize(args, model_cfg, elapsed, world, loss=stats["loss"],
-                     layout=f"tp{args.tp} pp{args.pp} dp{grid.dp}" + (f" vpp{args.vpp}" if args.vpp else ""))
+                     layout=f"tp{args.tp} pp{args.pp} dp{grid.dp}" + (f" vpp{args.vpp}" if args.vpp else "")
+                     + (" overlap" if args.overlap_grad_reduce else "") + (" compile" if args.compile else ""))
+
+
+def run_hf_ddp(args) -> dict:
+    """transformers under torch DDP (one process per GPU): the multi-GPU anchor."""
+    from torch.nn.parallel import DistributedDataParallel
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        dist.init_process_group("nccl")
+    spec = throughput.Spec(**{**throughput.MODELS[args.model].__dict__, "seq": args.seq})
+    model = throughput.hf_model(spec, "cuda")
+    model.train()
+    ddp = DistributedDataParallel(model, device_ids=[local]) if world > 1 else model
+    if args.compile:
+        ddp.compile()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    num_micro = args.gbs // (args.mbs * world)
+    gen = torch.Generator(device="cuda").manual_seed(dist.get_rank() if world > 1 else 0)
+    ids = torch.randint(0, model.config.vocab_size, (num_micro, args.mbs, args.seq), device="cuda", generator=gen)
+
+    def step():
+        for i in range(num_micro):
+            sync = contextlib.nullcontext() if i == num_micro - 1 or world == 1 else ddp.no_sync()
+            with sync, torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = ddp(input_ids=ids[i], labels=ids[i]).loss / num_micro
+            with sync:
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    if world > 1:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) / args.steps
+    return summarize(args, model_config(args.model, args.seq), elapsed, world, loss=loss.item() * num_micro,
+                     layout=f"transformers DDP {world} GPU" + (" compile" if args.compile else ""))
 
 
 def run_hf_anchor(args) -> dict:
@@ -145,7 +208,7 @@ def run_hf_anchor(args) -> dict:
 
 def summarize(args, cfg, step_time: float, world: int, loss: float, layout: str) -> dict:
     tokens = args.gbs * args.seq
-    flops = flops_per_token(cfg, args.seq) * tokens / step_time / world
+    flops = flops_per_token(cfg, args.seq, args.model) * tokens / step_time / world
     peak = args.peak or DATASHEET_PEAK
     return {"model": args.model, "layout": layout, "gpus": world, "seq": args.seq, "global_batch": args.gbs,
             "step_s": round(step_time, 4), "tokens_per_s": round(tokens / step_time, 1),
@@ -163,8 +226,8 @@ def _kernels_in_use() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=sorted(MODELS), default="3b")
-    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--model", choices=sorted(MODELS) + sorted(throughput.MODELS), default="3b")
+    parser.add_argument("--seq", type=int, default=None, help="default: 4096, or the throughput.py model's")
     parser.add_argument("--mbs", type=int, default=1)
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--tp", type=int, default=1)
@@ -177,9 +240,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--peak", type=float, default=None, help="measured bf16 matmul FLOP/s")
     parser.add_argument("--hf-anchor", action="store_true")
+    parser.add_argument("--hf-ddp", action="store_true", help="transformers + torch DDP (throughput.py models)")
+    parser.add_argument("--compile", action="store_true", help="regional torch.compile (ours) / model.compile (hf)")
+    parser.add_argument("--overlap-grad-reduce", action="store_true")
+    parser.add_argument("--overlap-param-gather", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = run_hf_anchor(args) if args.hf_anchor else run_megatron(args)
+    if args.seq is None:
+        args.seq = throughput.MODELS[args.model].seq if args.model in throughput.MODELS else 4096
+    result = run_hf_anchor(args) if args.hf_anchor else run_hf_ddp(args) if args.hf_ddp else run_megatron(args)
     if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
         Path(args.out).write_text(json.dumps(result))
         print(json.dumps(result), flush=True)

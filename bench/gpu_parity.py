@@ -37,7 +37,9 @@ def run(args) -> None:
     cfg = trainer.TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=args.steps, lr=3e-4,
                                  lr_warmup_iters=0, bf16=True, tensor_model_parallel_size=args.tp,
                                  pipeline_model_parallel_size=args.pp, virtual_pipeline_model_parallel_size=args.vpp,
-                                 sequence_parallel=args.sp, use_distributed_optimizer=args.dist_opt, seed=7)
+                                 sequence_parallel=args.sp, use_distributed_optimizer=args.dist_opt, seed=7,
+                                 **{name: True for name in ("overlap_grad_reduce", "overlap_param_gather")
+                                    if getattr(args, name)})
     trainer.setup_parallel(cfg)
     grid = state.get_state()
     model_cfg = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=512, num_layers=4,
@@ -55,7 +57,8 @@ def run(args) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         layout = f"tp{args.tp} pp{args.pp} dp{grid.dp}" + (f" vpp{args.vpp}" if args.vpp else "")
         Path(args.out).write_text(json.dumps({"layout": layout + (" sp" if args.sp else "") +
-                                              (" distopt" if args.dist_opt else ""), "losses": losses}))
+                                              (" distopt" if args.dist_opt else "") +
+                                              (" overlap" if args.overlap_grad_reduce else ""), "losses": losses}))
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -84,6 +87,8 @@ def main() -> int:
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--dist-opt", action="store_true")
+    parser.add_argument("--overlap-grad-reduce", action="store_true")
+    parser.add_argument("--overlap-param-gather", action="store_true")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out")
     parser.add_argument("--compare", nargs="+")
