@@ -143,27 +143,17 @@ def run_hf_ddp(args) -> dict:
 
     def step():
         for i in range(num_micro):
-            sync = contextlib.nullcontext() if i == num_micro - 1 or world == 1 else ddp.no_sync()
-            with sync, torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = ddp(input_ids=ids[i], labels=ids[i]).loss / num_micro
-            with sync:
+            last = i == num_micro - 1 or world == 1  # DDP all-reduces only after the last micro batch
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = ddp(input_ids=ids[i], labels=ids[i]).loss / num_micro
                 loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    if world > 1:
-        dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / args.steps
+    elapsed, loss = timed(step, args)
     return summarize(args, model_config(args.model, args.seq), elapsed, world, loss=loss.item() * num_micro,
                      layout=f"transformers DDP {world} GPU" + (" compile" if args.compile else ""))
 
@@ -193,17 +183,24 @@ def run_hf_anchor(args) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    elapsed, loss = timed(step, args)
+    return summarize(args, model_config(args.model, args.seq), elapsed, 1, loss=loss.item() * num_micro,
+                     layout="transformers 1 GPU (bf16 weights + AdamW)")
+
+
+def timed(step, args):
+    """(seconds per step over args.steps after args.warmup, last step's result); peak memory reset first."""
     torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
     start = time.perf_counter()
     for _ in range(args.steps):
-        loss = step()
+        result = step()
     torch.cuda.synchronize()
-    elapsed = (time.perf_counter() - start) / args.steps
-    return summarize(args, model_config(args.model, args.seq), elapsed, 1, loss=loss.item() * num_micro,
-                     layout="transformers 1 GPU (bf16 weights + AdamW)")
+    return (time.perf_counter() - start) / args.steps, result
 
 
 def summarize(args, cfg, step_time: float, world: int, loss: float, layout: str) -> dict:
