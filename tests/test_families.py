@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -23,16 +24,26 @@ import hf_megatron
 from dist import run_distributed
 from hf_megatron import ModelConfig, architectures
 from test_convert_helpers import cli_round_trip, save_hf
+from hf_megatron.conversion.convert import hf_to_megatron
+from test_qwen3 import _mcore_logits
 from test_pipeline import full_tensors, hf_reference, micro_batches, pipeline_worker
 from test_tensor_parallel import _batch
-from tiny import hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_hf_model
+from tiny import VOCAB, hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_hf_model
 
 TOL = 1e-5
-FAMILIES = ["olmo2"]
+FAMILIES = ["olmo2", "phi3"]
 EXPECTED_QK_NORM = {"olmo2": {"ProjectionRMSNorm"}, "phi3": set(), "gemma2": set(), "gemma3_text": {"ZeroCenteredRMSNorm"}}
 HF_CLASSES = {"olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
               "gemma3_text": "Gemma3ForCausalLM"}
+PHI3_ROPE = dict(rope_theta=10000.0, partial_rotary_factor=0.5, short_factor=[1.0, 1.5, 2.0, 3.0],
+                 long_factor=[1.5, 2.5, 4.0, 8.0])
 VARIANTS = {  # fp32 and float64
+    "phi3": {"longrope-short": dict(rope_parameters=dict(rope_type="longrope", original_max_position_embeddings=32,
+                                                          **PHI3_ROPE)),
+             "su-full-rotary": dict(rope_scaling=dict(type="su", short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+                                                             original_max_position_embeddings=8),
+                                    rope_parameters=None, original_max_position_embeddings=8, sliding_window=6),
+             "default-rope": dict(rope_parameters=dict(rope_type="default", rope_theta=500.0, partial_rotary_factor=0.75))},
 }
 FP64_VARIANTS = {  # float64 only: fp32 q_norm grads of olmo2 with biases come to rel 1.05e-5 (rounding)
     "olmo2": {"attention-bias": dict(attention_bias=True)},
@@ -112,12 +123,12 @@ def _tp_worker(rank, world):
     return results
 
 
-def _worker(rank, world):
+def _worker(rank, world, phi3_tp2):
     from hf_megatron.parallel import state
     tp = _tp_worker(rank, world)
     pp = pipeline_worker(rank, world, 1, 2, [(arch, 1, None, {}) for arch in FAMILIES])
     state.reset()
-    return {"tp": tp, "pp": pp}
+    return {"tp": tp, "pp": pp, "mcore": _mcore_logits(rank, phi3_tp2)}
 
 
 def check_pipeline_case(per_rank, case, arch):
@@ -142,8 +153,14 @@ def check_pipeline_case(per_rank, case, arch):
         assert rel_err(ours[name], grad) <= TOL, (arch, name)
 
 
-def test_tp2_and_pp2_match_transformers():
-    per_rank = run_distributed(_worker, 2)
+# megatron-core rotates the first rotary_percent of each head as we do, but has no longrope
+PHI3_MCORE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+
+
+def test_tp2_pp2_and_megatron_core_match_transformers(tmp_path):
+    phi3_source, phi3_tp2 = save_hf(tmp_path / "phi3", "phi3", **PHI3_MCORE), tmp_path / "phi3_tp2"
+    hf_to_megatron(phi3_source, phi3_tp2, tp=2)
+    per_rank = run_distributed(_worker, 2, (str(phi3_tp2),))
     for arch in FAMILIES:
         config = ModelConfig.from_hf(tiny_hf_model(arch).config)
         for sp in (False, True):
@@ -154,6 +171,11 @@ def test_tp2_and_pp2_match_transformers():
             assert rel_err(per_rank[1]["tp"][arch, sp][0], logits) <= TOL
     for case, arch in enumerate(FAMILIES):
         check_pipeline_case([r["pp"] for r in per_rank], case, arch)
+    # megatron-core's GPTModel on our Phi-3 rank files: each TP rank holds half the padded vocabulary
+    mcore_logits = torch.cat([r["mcore"] for r in per_rank], dim=-1)[..., :VOCAB]
+    reference = AutoModelForCausalLM.from_pretrained(phi3_source, local_files_only=True).eval()
+    with torch.no_grad():
+        assert rel_err(mcore_logits, reference(_batch()[0]).logits) <= TOL
 
 
 # ------------------------------------------------------------------ conversion
@@ -172,6 +194,9 @@ def test_cli_round_trip_is_bit_identical_and_verifies(arch, tmp_path, capsys):
 
 EXPECTED_FIELDS = {
     "olmo2": dict(qk_layernorm=True, qk_layernorm_scope="projection", pre_layernorm=False, post_layernorm=True),
+    "phi3": dict(rotary_percent=0.5, rope_scaling=dict(
+        rope_type="longrope", short_factor=PHI3_ROPE["short_factor"], long_factor=PHI3_ROPE["long_factor"],
+        original_max_position_embeddings=8, factor=8.0, attention_factor=(1 + math.log(8) / math.log(8)) ** 0.5)),
 }
 
 
@@ -179,3 +204,22 @@ EXPECTED_FIELDS = {
 def test_config_adapter_sets_the_family_options(arch):
     config = ModelConfig.from_hf(tiny_hf_model(arch).config)
     assert {k: getattr(config, k) for k in EXPECTED_FIELDS[arch]} == EXPECTED_FIELDS[arch]
+
+
+BAD_CONFIGS = [  # (family, HF config dict changes, the error names the field)
+    ("phi3", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
+     r"phi3 rope_parameters.rope_type 'dynamic' is not supported; supported: default, longrope, su, yarn"),
+    ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4, partial_rotary_factor=0.5,
+                                       short_factor=[1.0], long_factor=[1.0] * 4, original_max_position_embeddings=8)),
+     r"phi3 rope_parameters.short_factor must be a list of 4 numbers"),
+    ("phi3", dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=2.0)),
+     r"phi3 rope_scaling.rope_type 'linear' is not supported"),
+]
+
+
+@pytest.mark.parametrize("arch,changes,message", BAD_CONFIGS)
+def test_unsupported_variants_are_one_line_config_errors(arch, changes, message):
+    data = {**tiny_hf_model(arch).config.to_dict(), **changes}
+    with pytest.raises(hf_megatron.ConfigError, match=message) as error:
+        ModelConfig.from_hf(data)
+    assert "\n" not in str(error.value)

@@ -19,11 +19,12 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
 from .olmo2 import OLMO2
+from .phi3 import PHI3
 from .plan import Shard, gpt_plan
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 
-_BUILTIN = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2)
+_BUILTIN = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3)
 REGISTRY: dict[str, Architecture] = {arch.model_type: arch for arch in _BUILTIN}
 SUPPORTED = REGISTRY.keys()  # a live view: also lists families registered later
 

@@ -48,7 +48,7 @@ def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = 
         openai_gelu=config.activation == "gelu_tanh",
         position_embedding_type=config.position_embedding_type,
         rotary_base=config.rotary_base,
-        rotary_percent=1.0,
+        rotary_percent=config.rotary_percent,
         use_rope_scaling=rope.get("rope_type") == "llama3",
         rope_scaling_factor=rope.get("factor", 8.0),
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,

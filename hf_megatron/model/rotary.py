@@ -51,7 +51,7 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.T
 def longrope_inv_freqs(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(short, long) inverse frequencies of longrope, as transformers computes them."""
     exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    return tuple(1.0 / (torch.tensor(scaling[key], dtype=torch.float32) * base ** exponent)
+    return tuple(1.0 / (torch.tensor(scaling[key], dtype=torch.float32, device="cpu") * base ** exponent)
                  for key in ("short_factor", "long_factor"))
 
 
