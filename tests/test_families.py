@@ -31,7 +31,7 @@ from test_tensor_parallel import _batch
 from tiny import VOCAB, hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_hf_model
 
 TOL = 1e-5
-FAMILIES = ["olmo2", "phi3", "gemma2"]
+FAMILIES = ["olmo2", "phi3", "gemma2", "gemma3_text"]
 EXPECTED_QK_NORM = {"olmo2": {"ProjectionRMSNorm"}, "phi3": set(), "gemma2": set(), "gemma3_text": {"ZeroCenteredRMSNorm"}}
 HF_CLASSES = {"olmo2": "Olmo2ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
               "gemma3_text": "Gemma3ForCausalLM"}
@@ -47,6 +47,9 @@ VARIANTS = {  # fp32 and float64
     # no caps: the SDPA path with query_pre_attn_scalar's scale
     "gemma2": {"biased-untied-uncapped": dict(attention_bias=True, tie_word_embeddings=False,
                                               attn_logit_softcapping=None, final_logit_softcapping=None)},
+    # attn_logit_softcapping is stored but unused by transformers' Gemma 3: so here too
+    "gemma3_text": {"capped-4-layers-pattern-4": dict(attn_logit_softcapping=0.5, final_logit_softcapping=0.3,
+                                                      num_hidden_layers=4, sliding_window_pattern=4)},
 }
 FP64_VARIANTS = {  # float64 only: fp32 q_norm grads of olmo2 with biases come to rel 1.05e-5 (rounding)
     "olmo2": {"attention-bias": dict(attention_bias=True)},
@@ -211,6 +214,10 @@ EXPECTED_FIELDS = {
                    embedding_multiplier=8.0, softmax_scale=24 ** -0.5, attn_logit_softcapping=0.5,
                    final_logit_softcapping=0.2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                    tie_word_embeddings=True),
+    "gemma3_text": dict(qk_layernorm=True, qk_layernorm_scope="head", layernorm_zero_centered_gamma=True,
+                        post_layernorm=True, rotary_base=50000.0, local_rotary_base=100.0, attn_logit_softcapping=None,
+                        rope_scaling=dict(rope_type="linear", factor=2.0),
+                        layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -228,6 +235,14 @@ BAD_CONFIGS = [  # (family, HF config dict changes, the error names the field)
      r"phi3 rope_parameters.short_factor must be a list of 4 numbers"),
     ("phi3", dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=2.0)),
      r"phi3 rope_scaling.rope_type 'linear' is not supported"),
+    ("gemma2", dict(hidden_activation="silu"), r"gemma2 hidden_activation 'silu' is not supported"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     r"gemma3_text rope_parameters.full_attention: unsupported rope type 'yarn'"),
+    ("gemma3_text", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     r"gemma3_text rope_parameters.sliding_attention.rope_type 'linear' is not supported"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), r"use_bidirectional_attention=True is not supported"),
 ]
 
 
