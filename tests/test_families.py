@@ -252,3 +252,22 @@ def test_unsupported_variants_are_one_line_config_errors(arch, changes, message)
     with pytest.raises(hf_megatron.ConfigError, match=message) as error:
         ModelConfig.from_hf(data)
     assert "\n" not in str(error.value)
+
+
+def test_megatron_flags_alone_read_partial_rotary_as_phi3():
+    """Megatron-LM's flags (our args without hf_config): Llama's with --rotary-percent 0.5 are
+    Phi-3 with partial_rotary_factor 0.5, and give back the same ModelConfig; Gemma's are no
+    family megatron-core knows (one-line error)."""
+    from hf_megatron.checkpoint.args import build_args
+    config = ModelConfig.from_hf(tiny_hf_model("phi3", **PHI3_MCORE).config)
+    args = {k: v for k, v in vars(build_args(config, tp=2)).items() if k != "hf_config"}
+    assert args["rotary_percent"] == 0.5
+    read = architectures.hf_config_from_megatron_args(args)
+    assert read["model_type"] == "phi3" and read["architectures"] == ["Phi3ForCausalLM"]
+    assert ModelConfig.from_hf(read) == config
+    assert architectures.hf_config_from_megatron_args({**args, "rotary_percent": 1.0})["model_type"] == "llama"
+    gemma = {k: v for k, v in vars(build_args(ModelConfig.from_hf(tiny_hf_model("gemma2").config))).items()
+             if k != "hf_config"}
+    assert gemma["apply_layernorm_1p"] is True
+    with pytest.raises(hf_megatron.ConfigError, match="matches none of"):
+        architectures.hf_config_from_megatron_args(gemma)

@@ -9,8 +9,9 @@ original_max_position_embeddings, else short_factor, and cos/sin are scaled by
     attention_factor = sqrt(1 + ln(factor) / ln(original_max_position_embeddings))  (1 if factor <= 1),
     factor = max_position_embeddings / original_max_position_embeddings  unless given.
 A sliding window, when set, applies to every layer (transformers' Phi-3 mask).
-Megatron-LM's flags read back as Llama (same tensors; longrope has no Megatron flag), so our
-checkpoints carry the HF config (`args.hf_config`).
+From Megatron-LM's flags alone (no `args.hf_config`), Llama's flags with `--rotary-percent` < 1
+and no biases read back as Phi-3 with that partial_rotary_factor; whole-head RoPE reads as Llama
+(the same tensors).  longrope has no Megatron flag: our checkpoints carry the HF config.
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import math
 from typing import Any
 
 from ..config import ConfigError
-from .base import PACKED_QKV, Architecture, Row
+from .base import PACKED_QKV, Architecture, MegatronArgs, Row
 from .llama import WEIGHTS as LLAMA_WEIGHTS
-from .llama import H, L, llama_like_fields
+from .llama import H, L, llama_like_fields, llama_like_hf_config
 
 _FUSED = {
     L + "self_attention.linear_qkv.weight": Row(L + "self_attention.linear_qkv.weight", H + "self_attn.qkv_proj.weight",
@@ -79,4 +80,14 @@ def _fields(data: dict[str, Any]) -> dict[str, Any]:
             "embedding_dropout": float(data.get("embd_pdrop", 0.0))}
 
 
-PHI3 = Architecture("phi3", ("Phi3ForCausalLM",), _fields, WEIGHTS)
+def _from_megatron_args(args: MegatronArgs) -> dict[str, Any] | None:
+    percent = float(args.get("rotary_percent", 1.0) or 1.0)
+    if (percent == 1.0 or args.normalization != "RMSNorm" or args.positions != "rope" or not args.swiglu
+            or args.get("qk_layernorm") or args.bias_linear or args.qkv_bias):
+        return None
+    config = llama_like_hf_config(args)
+    theta = config.pop("rope_theta")
+    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": percent}}
+
+
+PHI3 = Architecture("phi3", ("Phi3ForCausalLM",), _fields, WEIGHTS, from_megatron_args=_from_megatron_args)

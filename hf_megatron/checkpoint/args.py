@@ -42,6 +42,7 @@ def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = 
         data_parallel_size=dp,
         world_size=tp * pp * dp,
         normalization=config.normalization,
+        apply_layernorm_1p=config.layernorm_zero_centered_gamma,  # Megatron-LM's name for (1 + w) norms
         norm_epsilon=config.norm_epsilon,
         layernorm_epsilon=config.norm_epsilon,
         swiglu=config.activation == "swiglu",
