@@ -41,13 +41,25 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # HF rope_parameters minus rope_theta
     normalization: str = "RMSNorm"  # "RMSNorm" | "LayerNorm"
     norm_epsilon: float = 1e-5
-    activation: str = "swiglu"  # "swiglu" | "gelu_tanh" | "gelu"
+    activation: str = "swiglu"  # "swiglu" | "geglu" (gated, tanh GELU: Gemma) | "gelu_tanh" | "gelu"
     add_qkv_bias: bool = False
     add_proj_bias: bool = False  # bias on linear_proj
     add_mlp_bias: bool = False  # bias on linear_fc1 / linear_fc2
     qk_layernorm: bool = False  # per-head norm (over kv_channels) on q and k, before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     sliding_window: int | None = None
+    # --- options of the newer families; the defaults are the plain pre-norm GPT above
+    qk_layernorm_scope: str = "head"  # "head": over kv_channels (Qwen3, Gemma 3); "projection": over all heads (OLMo 2)
+    pre_layernorm: bool = True  # input_layernorm / pre_mlp_layernorm before attention / MLP (False: OLMo 2)
+    post_layernorm: bool = False  # post_self_attn_layernorm / post_mlp_layernorm before the residual add (Gemma, OLMo 2)
+    layernorm_zero_centered_gamma: bool = False  # RMSNorm scales by (1 + w) (Gemma; megatron-core's name)
+    embedding_multiplier: float = 1.0  # word embeddings times this, in their dtype (Gemma: sqrt(hidden))
+    softmax_scale: float | None = None  # attention scores scale; None: 1 / sqrt(kv_channels)
+    attn_logit_softcapping: float | None = None  # scores <- c * tanh(scores / c) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits <- c * tanh(logits / c) (Gemma 2)
+    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention"; None: all alike
+    local_rotary_base: float | None = None  # RoPE base of sliding layers (Gemma 3); None: rotary_base
+    rotary_percent: float = 1.0  # fraction of each head's dims that RoPE rotates (Phi-3 partial rotary)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     embedding_dropout: float = 0.0
@@ -77,12 +89,30 @@ class ModelConfig:
             raise ConfigError(f"normalization must be 'RMSNorm' or 'LayerNorm', got {self.normalization!r}")
         if not isinstance(self.qk_layernorm, bool):
             raise ConfigError(f"qk_layernorm must be true or false, got {self.qk_layernorm!r}")
-        if self.activation not in ("swiglu", "gelu_tanh", "gelu"):
-            raise ConfigError(f"activation must be 'swiglu', 'gelu_tanh' or 'gelu', got {self.activation!r}")
+        if self.activation not in ("swiglu", "geglu", "gelu_tanh", "gelu"):
+            raise ConfigError(f"activation must be 'swiglu', 'geglu', 'gelu_tanh' or 'gelu', got {self.activation!r}")
+        if self.qk_layernorm_scope not in ("head", "projection"):
+            raise ConfigError(f"qk_layernorm_scope must be 'head' or 'projection', got {self.qk_layernorm_scope!r}")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            bad = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if len(self.layer_types) != self.num_layers or bad:
+                raise ConfigError(f"layer_types must list 'sliding_attention' or 'full_attention' for each of the "
+                                  f"{self.num_layers} layers, got {self.layer_types!r}")
+        if self.rotary_percent != 1.0 and (not 0.0 < self.rotary_percent < 1.0
+                                           or int(self.kv_channels * self.rotary_percent) % 2):
+            raise ConfigError(f"rotary_percent (partial_rotary_factor)={self.rotary_percent} must be in (0, 1] and "
+                              f"rotate an even number of the {self.kv_channels} head dims")
 
     @property
     def gated_mlp(self) -> bool:
-        return self.activation == "swiglu"
+        return self.activation in ("swiglu", "geglu")
+
+    def layer_type(self, layer: int) -> str:
+        """'sliding_attention' or 'full_attention' for global layer number `layer`."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Megatron's rule: round vocab up to a multiple of make_vocab_size_divisible_by * tp."""

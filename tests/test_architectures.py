@@ -107,7 +107,7 @@ def test_fused_qkv_is_laid_out_per_query_group():
 
 
 def test_unknown_model_type_and_unsupported_fields_are_one_line_config_errors():
-    with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'; supported: gpt2, llama, mistral, qwen2, qwen3$"):
+    with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3$"):
         architectures.get("bert")
     with pytest.raises(ConfigError, match=r"^unsupported model_type 'bert'"):
         architectures.plan_for(dataclasses.replace(ModelConfig.from_hf(tiny_config("llama")), model_type="bert"))

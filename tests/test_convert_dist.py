@@ -21,7 +21,8 @@ IDS = torch.tensor([[3, 17, 250, 9, 41, 128, 77, 5, 299, 0, 64, 12]])
 
 
 def _mcore_model(config, pp_rank, tp=2, pp=2):
-    """megatron-core's GPTModel (local spec, CPU) for a Llama-style config (qk_layernorm: Qwen3)."""
+    """megatron-core's GPTModel (local spec, CPU) for a Llama-style config (qk_layernorm: Qwen3;
+    rotary_percent: Phi-3's partial rotary)."""
     from megatron.core.models.gpt import GPTModel as McoreGPT
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
@@ -36,7 +37,8 @@ def _mcore_model(config, pp_rank, tp=2, pp=2):
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
     return McoreGPT(mcore_config, spec, vocab_size=config.padded_vocab_size(tp),
                     max_sequence_length=config.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=config.rotary_base, share_embeddings_and_output_weights=False,
+                    rotary_base=config.rotary_base, rotary_percent=config.rotary_percent,
+                    share_embeddings_and_output_weights=False,
                     pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
 
 

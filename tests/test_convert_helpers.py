@@ -59,3 +59,17 @@ def assert_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 def hf_sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf_sources")
     return {arch: save_hf(root / arch, arch) for arch in ARCHS}
+
+
+def cli_round_trip(source: Path, tmp_path: Path, capsys) -> Path:
+    """`hf-megatron convert` HF -> Megatron (tp2 x pp2) -> HF, both with --verify (asserted to
+    pass); the tensors come back bit-identical.  Returns the HF folder written back."""
+    from hf_megatron.cli import main
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    assert main(["convert", "hf-to-megatron", "--hf", str(source), "--out", str(meg), "--tp", "2", "--pp", "2",
+                 "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    assert main(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back), "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    assert_identical(hf_tensors(source), hf_tensors(back))
+    return back

@@ -22,11 +22,10 @@ from transformers import AutoModelForCausalLM
 import hf_megatron
 from dist import run_distributed
 from hf_megatron import ConfigError, ModelConfig, architectures
-from hf_megatron.cli import main
 from hf_megatron.conversion.convert import hf_to_megatron
 from hf_megatron.checkpoint.args import build_args
 from test_convert_dist import _mcore_model
-from test_convert_helpers import assert_identical, hf_tensors, save_hf
+from test_convert_helpers import cli_round_trip, save_hf
 from test_pipeline import check_case, pipeline_worker
 from test_tensor_parallel import _batch
 from tiny import VOCAB, hf_grads_from_mcore, local_grads, merge_shards, rel_err, tiny_config, tiny_hf_model
@@ -162,13 +161,7 @@ def test_tp2_pp2_and_megatron_core_match_transformers(qwen3_source, tmp_path):
 
 
 def test_cli_round_trip_is_bit_identical_and_verifies(qwen3_source, tmp_path, capsys):
-    meg, back = tmp_path / "meg", tmp_path / "back"
-    assert main(["convert", "hf-to-megatron", "--hf", str(qwen3_source), "--out", str(meg), "--tp", "2", "--pp", "2",
-                 "--verify"]) == 0
-    assert "top-1 agreement 100.0%" in capsys.readouterr().out
-    assert main(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back), "--verify"]) == 0
-    assert "top-1 agreement 100.0%" in capsys.readouterr().out
-    assert_identical(hf_tensors(qwen3_source), hf_tensors(back))
+    back = cli_round_trip(qwen3_source, tmp_path, capsys)
     written = json.loads((back / "config.json").read_text())
     assert written["architectures"] == ["Qwen3ForCausalLM"] and written["head_dim"] == 32
     assert type(AutoModelForCausalLM.from_pretrained(back, local_files_only=True)).__name__ == "Qwen3ForCausalLM"

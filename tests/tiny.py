@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 from hf_megatron.architectures import mcore_to_hf
 from hf_megatron.parallel.sharding import merge_tensor
@@ -36,12 +37,39 @@ def tiny_config(arch: str, **overrides):
         common.update(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
         common.update(overrides)
         return Qwen3Config(**common)
+    if arch in FAMILY_CONFIGS:  # the newer families (tests/test_families*.py)
+        config_class, family = FAMILY_CONFIGS[arch]
+        # no pad id: transformers' embedding would zero that row's gradient (padding_idx)
+        common.update(num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2, **family)
+        common.update(overrides)
+        return config_class(**common)
     raise ValueError(arch)
+
+
+# (config class, fields over the common tiny ones); every norm weight is randomised (see below)
+FAMILY_CONFIGS = {
+    "olmo2": (Olmo2Config, dict(tie_word_embeddings=False)),
+    # longrope on half of each head (rotary dims 8): sequences of 16 > 8 use the long factors
+    "phi3": (Phi3Config, dict(tie_word_embeddings=False, original_max_position_embeddings=8, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, short_factor=[1.0, 1.5, 2.0, 3.0],
+        long_factor=[1.5, 2.5, 4.0, 8.0]))),
+    # head_dim 32 != hidden / heads; query_pre_attn_scalar != head_dim; window 4 on layers 0, 2, ..;
+    # soft caps small enough to bend these tiny logits and scores
+    "gemma2": (Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+                                  attn_logit_softcapping=0.5, final_logit_softcapping=0.2)),
+    "gemma3_text": (Gemma3TextConfig, dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=4,
+                                           sliding_window_pattern=2, rope_parameters={
+                                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                               "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 50000.0}})),
+}
+EAGER = ("gemma2", "gemma3_text")  # transformers' sdpa path refuses soft-capping
 
 
 def tiny_hf_model(arch: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides),
+                                             attn_implementation="eager" if arch in EAGER else "sdpa")
     model = model.float()
     # HF zero-inits biases and sets the per-head q/k norms (Qwen3) to one; randomise them so
     # mapping errors would show
@@ -51,6 +79,8 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides):
                 p.normal_(0, 0.02)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif arch in FAMILY_CONFIGS and "norm" in name:  # post-norms, (1 + w) norms: not their init
+                p.uniform_(0.5, 1.5) if not arch.startswith("gemma") else p.uniform_(-0.5, 0.5)
     return model
 
 

@@ -15,14 +15,18 @@ from typing import Any, Iterator
 from .. import config as _config
 from ..config import ConfigError, ModelConfig
 from .base import Architecture, Getter, MegatronArgs, Pair, Row, Transform
+from .gemma2 import GEMMA2
+from .gemma3 import GEMMA3
 from .gpt2 import GPT2
 from .llama import LLAMA
 from .mistral import MISTRAL
+from .olmo2 import OLMO2
+from .phi3 import PHI3
 from .plan import Shard, gpt_plan
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 
-_BUILTIN = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)
+_BUILTIN = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, PHI3, GEMMA2, GEMMA3)
 REGISTRY: dict[str, Architecture] = {arch.model_type: arch for arch in _BUILTIN}
 SUPPORTED = REGISTRY.keys()  # a live view: also lists families registered later
 

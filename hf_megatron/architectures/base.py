@@ -137,6 +137,21 @@ class Row:
         return bool(getattr(config, flag)) != self.when.startswith("not ")
 
 
+def edit_rows(rows: Iterable[Row], drop: Iterable[str] = (), after: dict[str, tuple[Row, ...]] | None = None
+              ) -> tuple[Row, ...]:
+    """A family's table from another's: rows whose megatron-core name is in `drop` left out, the
+    rows of `after[name]` inserted right after row `name` (names as in the table, with `{i}`)."""
+    drop, after = set(drop), dict(after or {})
+    out: list[Row] = []
+    for row in rows:
+        if row.mcore not in drop:
+            out.append(row)
+        out.extend(after.pop(row.mcore, ()))
+    if after:
+        raise ValueError(f"edit_rows: no row {sorted(after)} to insert after")
+    return tuple(out)
+
+
 def expand(rows: Iterable[Row], config: ModelConfig, layers: Iterable[int] | None = None
            ) -> Iterator[tuple[str, tuple[str, ...], Transform]]:
     """(megatron-core name, HF names, transform) of every tensor, in table order; a run of

@@ -68,9 +68,11 @@ def llama_like_fields(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def is_llama_like(args: MegatronArgs, qk_layernorm: bool = False) -> bool:
-    """RMSNorm + RoPE + SwiGLU; per-head q/k norms (`--qk-layernorm`) only where asked (Qwen3)."""
+    """RMSNorm + RoPE (on whole heads) + SwiGLU; per-head q/k norms (`--qk-layernorm`) only where
+    asked (Qwen3)."""
     return (args.normalization == "RMSNorm" and args.positions == "rope" and args.swiglu
-            and bool(args.get("qk_layernorm", False)) == qk_layernorm)
+            and bool(args.get("qk_layernorm", False)) == qk_layernorm
+            and float(args.get("rotary_percent", 1.0) or 1.0) == 1.0)  # partial rotary: Phi-3
 
 
 def llama_like_hf_config(args: MegatronArgs) -> dict[str, Any]:

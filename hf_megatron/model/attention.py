@@ -7,8 +7,16 @@ how many groups it holds from its weight's shape, which is all that tensor paral
 With `qk_layernorm` (Qwen3) q and k are normalised per head over hn, after the projection and
 before RoPE:  q_h <- norm(q_h), k_g <- norm(k_g), one [hn] weight shared by all heads (so under
 tensor parallelism it is replicated and its gradient is summed over TP ranks, see
-`parallel.parallelize`).  Attention itself is `scaled_dot_product_attention` (causal; optional
-key-padding mask and sliding window).  Activations enter and leave as [s, b, h].
+`parallel.parallelize`).  With `qk_layernorm_scope="projection"` (OLMo 2) the norms span the
+whole projection instead: q <- norm(q) over all nh * hn values of a token (k over ng * hn),
+one weight entry per value (tensor parallelism splits them with the heads and sums the squares
+over ranks, `parallel.projection_norm`).
+
+Attention itself is `scaled_dot_product_attention` (causal; optional key-padding mask and
+sliding window; scale `softmax_scale`, default 1 / sqrt(hn)).  With logit soft-capping (Gemma 2)
+it is written out, as transformers' eager attention:
+    p = softmax(c * tanh(q k^T * scale / c) + mask) in fp32,   out = p v.
+Activations enter and leave as [s, b, h].
 """
 from __future__ import annotations
 
@@ -43,14 +51,32 @@ class CoreAttention(nn.Module):
     the unit that selective recompute checkpoints (and that tensor parallelism gives its own
     dropout stream, since each rank holds other heads)."""
 
-    def __init__(self, dropout: float, heads_per_group: int):
+    def __init__(self, dropout: float, heads_per_group: int, scale: float | None = None,
+                 softcap: float | None = None):
         super().__init__()
         self.dropout, self.heads_per_group = dropout, heads_per_group
+        self.scale, self.softcap = scale, softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         dropout = self.dropout if self.training else 0.0
+        if self.softcap is not None:
+            return self._soft_capped(q, k, v, mask, dropout)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                              enable_gqa=self.heads_per_group > 1)
+                                              enable_gqa=self.heads_per_group > 1, scale=self.scale)
+
+    def _soft_capped(self, q, k, v, mask, dropout: float) -> torch.Tensor:
+        """q [b, nh, s, hn], k/v [b, ng, s, hn]: scores soft-capped before the mask (no SDPA kernel caps)."""
+        k = k.repeat_interleave(self.heads_per_group, dim=1)
+        v = v.repeat_interleave(self.heads_per_group, dim=1)
+        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            s = q.shape[2]
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(F.dropout(probs, p=dropout, training=dropout > 0), v)
 
 
 class SelfAttention(nn.Module):
@@ -61,10 +87,13 @@ class SelfAttention(nn.Module):
         self.linear_qkv = nn.Linear(config.hidden_size, ng * (nh // ng + 2) * hn, bias=config.add_qkv_bias,
                                     dtype=dtype, device=device)
         self.q_layernorm = self.k_layernorm = None
+        self.qk_norm_per_head = config.qk_layernorm_scope == "head"
         if config.qk_layernorm:
-            self.q_layernorm = make_norm(config, dtype=dtype, device=device, size=hn)
-            self.k_layernorm = make_norm(config, dtype=dtype, device=device, size=hn)
-        self.core_attention = CoreAttention(config.attention_dropout, nh // ng)
+            per_head = self.qk_norm_per_head
+            self.q_layernorm = make_norm(config, dtype=dtype, device=device, size=hn if per_head else nh * hn)
+            self.k_layernorm = make_norm(config, dtype=dtype, device=device, size=hn if per_head else ng * hn)
+        self.core_attention = CoreAttention(config.attention_dropout, nh // ng, config.softmax_scale,
+                                            config.attn_logit_softcapping)
         self.linear_proj = nn.Linear(nh * hn, config.hidden_size, bias=config.add_proj_bias, dtype=dtype, device=device)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
@@ -73,8 +102,11 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, -1, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.heads_per_group].reshape(s, b, -1, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
-        if self.q_layernorm is not None:  # per head, over hn: [s, b, heads, hn]
+        if self.q_layernorm is not None and self.qk_norm_per_head:  # per head, over hn: [s, b, heads, hn]
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        elif self.q_layernorm is not None:  # over the whole (this rank's part of the) projection
+            q = self.q_layernorm(q.flatten(2)).view_as(q)
+            k = self.k_layernorm(k.flatten(2)).view_as(k)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, hn]
         if rotary is not None:
             cos, sin = rotary

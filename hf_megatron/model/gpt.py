@@ -12,6 +12,11 @@ Shapes: inputs [b, s]; activations [s, b, h] (Megatron's layout: sequence parall
 of dim 0); logits [b, s, vocab_size].  The vocabulary is padded to a multiple of
 `make_vocab_size_divisible_by` (Megatron's rule) and the padding never reaches the loss.
 
+Family options (ModelConfig): word embeddings times `embedding_multiplier` in their own dtype
+(Gemma: sqrt(hidden)); per-layer attention types (`layer_types`: sliding-window or full layers,
+each type with its own mask and, with `local_rotary_base`, its own RoPE tables); final logits
+soft-capped, logits <- c * tanh(logits / c) (Gemma 2), before the loss.
+
 Targets: `labels=` has transformers' meaning (the model shifts: token t is scored against
 labels[t + 1]); `targets=` are already aligned (token t against targets[t]), the training
 path's form, where the data supplies a window of s + 1 tokens as s inputs and s targets.
@@ -58,9 +63,12 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size,
                                                     dtype=dtype, device=device)
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.word_embeddings(input_ids.t())
+        if self.multiplier != 1.0:  # as transformers' Gemma: the fp32 scalar cast to the table's dtype
+            out = out * torch.tensor(self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype)
         if self.position_embeddings is not None:
             out = out + self.position_embeddings(position_ids.t())
         return self.embedding_dropout(out)
@@ -83,10 +91,14 @@ class Decoder(nn.Module):
         self.layers = LayerDict({str(i): TransformerLayer(config, dtype=dtype, device=device)
                                  for i in range(config.num_layers)})
         self.final_layernorm = make_norm(config, dtype=dtype, device=device)
+        self.layer_type = config.layer_type
 
     def forward(self, hidden, rotary, mask):
-        for layer in self.layers.values():
-            hidden = layer(hidden, rotary, mask)
+        """`rotary` and `mask` are one value for all layers, or dicts keyed by layer type."""
+        for number, layer in self.layers.items():
+            kind = self.layer_type(int(number))
+            hidden = layer(hidden, rotary[kind] if isinstance(rotary, dict) else rotary,
+                           mask[kind] if isinstance(mask, dict) else mask)
         return self.final_layernorm(hidden) if self.final_layernorm is not None else hidden
 
 
@@ -125,9 +137,12 @@ class GPTModel(nn.Module):
         super().__init__()
         self.config = config
         self.embedding = Embedding(config, dtype=dtype, device=device)
-        self.rotary = None
+        self.rotary = self.local_rotary = None
         if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
+            rotary_dim = int(config.kv_channels * config.rotary_percent)
+            self.rotary = RotaryEmbedding(rotary_dim, config.rotary_base, config.rope_scaling)
+            if config.local_rotary_base is not None:  # sliding layers: their own base, unscaled
+                self.local_rotary = RotaryEmbedding(rotary_dim, config.local_rotary_base)
         self.decoder = Decoder(config, dtype=dtype, device=device)
         self.output_layer = OutputLayer(config.hidden_size, config.padded_vocab_size(), config.tie_word_embeddings,
                                         dtype=dtype, device=device)
@@ -153,6 +168,17 @@ class GPTModel(nn.Module):
         return [int(key) for key in self.decoder.layers.keys()]
 
     # ------------------------------------------------------------------ forward
+    def _rotary_and_mask(self, position_ids, dtype, attention_mask, s, device):
+        """RoPE tables and attention mask: one each, or (with `layer_types`) dicts by layer type."""
+        config = self.config
+        rotary = self.rotary(position_ids, dtype) if self.rotary is not None else None
+        if config.layer_types is None:
+            return rotary, build_attention_mask(s, attention_mask, config.sliding_window, device)
+        mask = {"full_attention": build_attention_mask(s, attention_mask, None, device),
+                "sliding_attention": build_attention_mask(s, attention_mask, config.sliding_window, device)}
+        local = self.local_rotary(position_ids, dtype) if self.local_rotary is not None else rotary
+        return {"full_attention": rotary, "sliding_attention": local}, mask
+
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 targets: torch.Tensor | None = None, hidden_states: torch.Tensor | None = None,
@@ -173,8 +199,7 @@ class GPTModel(nn.Module):
             raise ValueError("a pipeline stage without the embedding needs hidden_states")
         else:
             hidden = hidden_states
-        rotary = self.rotary(position_ids, hidden.dtype) if self.rotary is not None else None
-        mask = build_attention_mask(s, attention_mask, self.config.sliding_window, ref.device)
+        rotary, mask = self._rotary_and_mask(position_ids, hidden.dtype, attention_mask, s, ref.device)
         hidden = self.decoder(hidden, rotary, mask)
         if self.output_layer is None:
             return GPTOutput(hidden_states=hidden)
@@ -189,6 +214,9 @@ class GPTModel(nn.Module):
             out.loss = out.loss_sum / out.num_tokens.clamp(min=1)
             return out
         logits = self.output_layer(hidden, tied)  # [s, b, V_padded(/tp)]; its own weight when it has one
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # elementwise, so also right on a vocab shard (padding stays 0)
+            logits = torch.tanh(logits / cap) * cap
         out = GPTOutput()
         if targets is not None:
             targets = targets.t()

@@ -1,7 +1,7 @@
 """Megatron-style initial weights, one full tensor at a time.
 
 normal(0, std) for matrices and embeddings; output projections (linear_proj, linear_fc2) with
-std / sqrt(2 * num_layers); zero biases; unit norm weights.  Each tensor draws from its own
+std / sqrt(2 * num_layers); zero biases; unit norm weights (zero where the norm is zero-centred).  Each tensor draws from its own
 generator, seeded from (seed, its full-model name), so a rank draws only the tensors it holds,
 yet every layout (any TP/PP split) starts from the same weights as one process.  Vocabulary
 tables are drawn for `vocab_size` rows; the padding rows stay zero.
@@ -23,7 +23,8 @@ def init_tensor(name: str, shape: tuple[int, ...], config, seed: int = 1234) -> 
     if name.endswith("bias"):
         return torch.zeros(shape)
     if "layernorm" in name or name.endswith("norm.weight"):
-        return torch.ones(shape)
+        # a zero-centred norm stores w - 1: zero is the unit scale
+        return torch.zeros(shape) if config.layernorm_zero_centered_gamma else torch.ones(shape)
     std = config.init_method_std
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         std = std / math.sqrt(2.0 * config.num_layers)

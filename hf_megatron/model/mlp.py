@@ -2,6 +2,7 @@
 
 SwiGLU: fc1 produces [gate; up] (under tensor parallelism each rank holds [gate_r; up_r], so
 the same split of its own output applies), y = fc2(silu(gate) * up).
+GeGLU (Gemma): the same with gelu_tanh for silu, y = fc2(gelu_tanh(gate) * up).
 GELU (GPT-2): y = fc2(gelu_tanh(fc1 x)).
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ class MLP(nn.Module):
         h = self.linear_fc1(x)
         if self.activation == "swiglu":
             h = kernels.swiglu(h)  # silu(gate) * up
+        elif self.activation == "geglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
         elif self.activation == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
         else:

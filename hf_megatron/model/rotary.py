@@ -5,6 +5,12 @@
 `inv_freq_i = 1 / base^(2i/d)`, optionally rescaled: "linear" divides by `factor`; "llama3"
 divides low frequencies by `factor`, keeps high ones and interpolates in between
 (Llama 3.1's scheme, same formula as transformers' `_compute_llama3_parameters`).
+"longrope" (Phi-3; "su" in older configs) has two sets of per-frequency factors:
+    inv_freq_i = 1 / (factor_i * base^(2i/d)),  factor = long_factor if the sequence (max position
+    + 1) exceeds original_max_position_embeddings else short_factor,
+and scales cos and sin by `attention_factor` (transformers' `_compute_longrope_parameters`).
+Partial rotary (`rotary_percent` < 1): only the first d = int(hn * rotary_percent) dims of
+each head rotate; the rest pass through.
 """
 from __future__ import annotations
 
@@ -37,7 +43,16 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None = None) -> torch.T
         return torch.where(medium, smoothed, scaled)
     if kind == "default":
         return inv_freq
+    if kind == "longrope":
+        raise ValueError("longrope has two frequency sets: use longrope_inv_freqs")
     raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def longrope_inv_freqs(dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(short, long) inverse frequencies of longrope, as transformers computes them."""
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return tuple(1.0 / (torch.tensor(scaling[key], dtype=torch.float32, device="cpu") * base ** exponent)
+                 for key in ("short_factor", "long_factor"))
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,15 +61,32 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, base: float, scaling: dict | None = None):
         super().__init__()
-        self.inv_freq = rope_inv_freq(dim, base, scaling)
+        self.long_inv_freq, self.long_after, self.attention_factor = None, None, 1.0
+        if scaling and scaling.get("rope_type") == "longrope":
+            self.inv_freq, self.long_inv_freq = longrope_inv_freqs(dim, base, scaling)
+            self.long_after = scaling["original_max_position_embeddings"]
+            self.attention_factor = scaling["attention_factor"]
+        else:
+            self.inv_freq = rope_inv_freq(dim, base, scaling)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [b, s, d] for position_ids [b, s]."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        inv_freq = self.inv_freq.to(position_ids.device)
+        if self.long_inv_freq is not None:  # one set for the whole batch, by its longest sequence
+            inv_freq = torch.where(position_ids.max() + 1 > self.long_after, self.long_inv_freq.to(inv_freq.device),
+                                   inv_freq)
+        freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, d]; cos/sin: [b, s, d].  x * cos + rotate_half(x) * sin (fused on CUDA)."""
-    return kernels.apply_rotary(x, cos, sin)
+    """x: [b, heads, s, hn]; cos/sin: [b, s, d], d <= hn.  x * cos + rotate_half(x) * sin on the
+    first d dims (fused on CUDA); the other hn - d pass through."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return kernels.apply_rotary(x, cos, sin)
+    return torch.cat([kernels.apply_rotary(x[..., :d], cos, sin), x[..., d:]], dim=-1)

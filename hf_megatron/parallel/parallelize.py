@@ -16,6 +16,8 @@ shapes and files agree.  The rest follows from where activations are split:
 * per-head q/k norms (`qk_layernorm`) get the same tag at any tp > 1, with or without SP: one
   [hn] weight serves every head and each rank holds only its own heads, so its gradient is a
   partial sum over heads (megatron-core's finalize_model_grads sums q/k_layernorm over TP too);
+* q/k norms over the whole projection (OLMo 2; the plan splits them "column" with the heads)
+  become `projection_norm.ProjectionRMSNorm`, which sums the squares over TP;
 * the loss becomes the vocab-parallel cross entropy (the full logits are never gathered for it).
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..model.norms import RMSNorm
 from . import comm
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelOutput
 from .loss import VocabParallelLoss
+from .projection_norm import ProjectionRMSNorm
 from .random import tp_rng
 
 
@@ -64,6 +67,8 @@ def _parallel_module(module: nn.Module, rule, group, sequence_parallel: bool, pa
         return ColumnParallelLinear(module, group, rule.parts, sequence_parallel)
     if rule.style == "row" and isinstance(module, nn.Linear):
         return RowParallelLinear(module, group, sequence_parallel)
+    if rule.style == "column" and type(module) is RMSNorm:  # a whole-projection q/k norm
+        return ProjectionRMSNorm(module, group)
     if rule.style == "vocab" and isinstance(module, nn.Embedding):
         return VocabParallelEmbedding(module, group, padded_vocab, sequence_parallel)
     if rule.style == "vocab" and isinstance(module, OutputLayer):
