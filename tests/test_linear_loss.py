@@ -117,3 +117,13 @@ def test_fused_linear_loss_bf16_on_gpu_tracks_unfused(compiled):
     assert abs(loss - loss_ref) <= 1e-2 * loss_ref
     for name, grad in grads_ref.items():
         assert rel_err(grads[name], grad) <= 2e-2, name
+
+
+def test_fusion_with_final_logit_softcapping_is_refused():
+    import hf_megatron
+    from hf_megatron.errors import ConfigError
+    from hf_megatron.parallel.linear_loss import apply_fused_linear_loss
+    model = hf_megatron.from_pretrained(tiny_hf_model("llama"))
+    model.config.final_logit_softcapping = 30.0  # as Gemma 2's config sets it
+    with pytest.raises(ConfigError, match="final_logit_softcapping"):
+        apply_fused_linear_loss(model)

@@ -205,7 +205,8 @@ class GPTModel(nn.Module):
             return GPTOutput(hidden_states=hidden)
 
         tied = self.embedding.word_embeddings.weight if self.embedding is not None else None
-        if targets is not None and not return_logits and getattr(self.vocab_loss, "fused_with_output", False):
+        fused = getattr(self.vocab_loss, "fused_with_output", False) and self.config.final_logit_softcapping is None
+        if targets is not None and not return_logits and fused:
             # output layer + loss in chunks (parallel/linear_loss.py): no [s, b, V] logits
             targets = targets.t()
             weight = self.output_layer.weight if self.output_layer.weight is not None else tied

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..errors import ConfigError
 from . import comm
 
 IGNORE_INDEX = -100
@@ -142,6 +143,9 @@ def apply_fused_linear_loss(model: nn.Module, chunk_bytes: int = 2 ** 29) -> nn.
     loss = getattr(model, "vocab_loss", None)
     if loss is None or isinstance(loss, FusedLinearLoss):
         return model
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        raise ConfigError("cross-entropy loss fusion (--cross-entropy-loss-fusion): not supported with "
+                          "final_logit_softcapping (Gemma 2); train without the fusion")
     group = getattr(model, "tp_group", None) if comm.group_size(getattr(model, "tp_group", None)) > 1 else None
     model.vocab_loss = FusedLinearLoss(loss, group, getattr(model, "sequence_parallel", False), chunk_bytes)
     return model
