@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.sharding import merge_tensor
+from ..parallel.sharding import VOCAB_PARAMS, merge_tensor, split_tensor
 from .args import config_from_args
 from .files import MODEL_FILE, rank_dir_name, resolve_iteration_dir, saved_layout
 from .legacy import model_state_to_mcore
 from .names import LAYER, chunk_keys, to_global_name
-from .reader import CheckpointReader, info_entries
+from .reader import ARGS, CheckpointReader, info_entries
+from .shapes import check_tensor
 from .unpickle import safe_load
 
 
@@ -68,6 +69,7 @@ class MegatronCheckpoint(CheckpointReader):
         self.vpp = len(self.chunk_keys)
         self._stage: tuple[int, list] | None = None
         self._place_layers()
+        self._check_shards()
 
     # ---------------------------------------------------------------- files
     def _load(self, tp_rank: int, pp_rank: int) -> dict:
@@ -114,6 +116,24 @@ class MegatronCheckpoint(CheckpointReader):
                 offset += counts[(p, v)]
         if offset != self.config.num_layers:
             raise CheckpointError(f"{self.folder}: holds {offset} layers but args say num_layers={self.config.num_layers}")
+
+    def _check_shards(self) -> None:
+        """Every rank file's shard of every weight, against the shard of the config's shape (vocab
+        tables: any padding that covers the vocabulary)."""
+        expected = self.expected_shapes()
+        for name, (p, v, local) in sorted(self.where.items(), key=lambda item: item[1][0]):
+            want = split_tensor(name, torch.empty(expected[name], device="meta"), self.config, self.tp)
+            for t, ranks in enumerate(self._stage_states(p)):
+                file = self.folder / rank_dir_name(t, p, self.pp) / MODEL_FILE
+                tensor = ranks[v].get(local)
+                if tensor is None:
+                    raise CheckpointError(f"{file}: tensor {local!r} missing (tensor-parallel rank 0 of "
+                                          f"pipeline stage {p} holds it)")
+                shape = tuple(want[t].shape)
+                if name in VOCAB_PARAMS and tensor.dim() == 2 and tensor.shape[1] == shape[1] \
+                        and tensor.shape[0] * self.tp >= self.config.vocab_size:
+                    shape = tuple(tensor.shape)  # padded to another multiple: merge_tensor cuts it
+                check_tensor(file, local, tensor.shape, tensor.dtype, shape, self.config, ARGS)
 
     def get(self, name: str) -> torch.Tensor:
         p, v, local = self.locate(name)

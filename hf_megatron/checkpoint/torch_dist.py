@@ -33,7 +33,8 @@ from ..errors import CheckpointError
 from ..parallel.sharding import VOCAB_PARAMS
 from .args import config_from_args
 from .legacy import te_to_local_name
-from .reader import CheckpointReader, info_entries
+from .reader import ARGS, CheckpointReader, info_entries
+from .shapes import check_tensor
 from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
 
 _LAYERS = "decoder.layers."
@@ -124,6 +125,32 @@ class TorchDistCheckpoint(CheckpointReader):
                 self.where.setdefault(name, (key if part is None else key[:-2], None, part))
         if not any(n.startswith(_LAYERS) for n in self.where):
             raise CheckpointError(f"{folder}: torch_dist checkpoint holds no decoder.layers.* model tensors")
+        self._check_entries()
+
+    def _check_entries(self) -> None:
+        """Every weight's global entry (from `.metadata`, nothing read) against the config's shape:
+        per-layer entries are [num_layers, ...]; fc1 parts `_w`/`_v` are half of fc1 each; vocab
+        tables padded to cover the vocabulary."""
+        expected = self.expected_shapes()
+        entries = self.metadata.state_dict_metadata
+        layers = self.config.num_layers
+        for name, (key, layer, part) in self.where.items():
+            for stored in ([key] if part is None else [key + "_w", key + "_v"]):
+                md = entries.get(stored)
+                if md is None:
+                    raise CheckpointError(f"{self.folder}: entry {stored!r} missing (its {key[:-2]}_w/_v twin is there)")
+                size = tuple(md.size)
+                if layer is not None and (not size or size[0] != layers):
+                    raise CheckpointError(f"{self.folder}: entry {stored!r} has shape {size}, expected "
+                                          f"[{layers}, ...] (one slice per layer; args say num_layers={layers})")
+                shape = size[1:] if layer is not None else size
+                if part is not None and shape:
+                    shape = (shape[0] * 2,) + shape[1:]
+                want = tuple(expected[name])
+                if name in VOCAB_PARAMS and len(shape) == 2 and shape[1] == want[1] and shape[0] >= want[0]:
+                    shape = want  # vocab padding is cut on read
+                check_tensor(self.folder, stored if layer is None else f"{stored}[{layer}]", shape,
+                             md.properties.dtype, want, self.config, ARGS)
 
     def _common_from_bytes(self, entries) -> dict:
         common = {}

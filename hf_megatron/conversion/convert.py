@@ -52,6 +52,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, p
                    dtype: str | None = None, verify: bool = False) -> dict[str, Any]:
     source_ckpt = HFCheckpoint(hf)
     config = ModelConfig.from_hf(source_ckpt.config)
+    source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
     generation = source_ckpt.path / "generation_config.json"
     args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}

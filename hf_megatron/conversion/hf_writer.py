@@ -21,7 +21,7 @@ from ..architectures import hf_class_name, mcore_to_hf
 from ..checkpoint.files import copy_files_within
 from ..config import ModelConfig
 from .hf_io import TOKENIZER_FILES, link_root
-from .layout import full_shapes
+from .layout import hf_meta_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -51,10 +51,8 @@ def write_hf_weights(out_dir: Path, config: ModelConfig, get_mcore: Callable[[st
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    shapes = full_shapes(config, padded_vocab=False)
-    meta_dtype = dtype or torch.float32
-    plan_source = mcore_to_hf(lambda n: torch.empty(shapes[n], dtype=meta_dtype, device="meta"), config)
-    plan = split_torch_state_dict_into_shards(dict(plan_source), max_shard_size=max_shard_size)
+    plan = split_torch_state_dict_into_shards(dict(hf_meta_tensors(config, dtype or torch.float32)),
+                                              max_shard_size=max_shard_size)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in mcore_to_hf(get_mcore, config):
         file = plan.tensor_to_filename[name]
