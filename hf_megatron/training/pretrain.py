@@ -103,7 +103,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     train_ds, valid_ds, _ = build_gpt_datasets(
         run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
         seq_length=run.seq_length, seed=cfg.seed, num_samples=(cfg.train_iters * gbs, eval_samples or None, None),
-        cache_dir=run.data_cache_path or "auto")
+        cache_dir=run.data_cache_path or "auto", vocab_size=chunks[0].config.vocab_size)
     if train_ds is None:
         raise DataError(f"--split {run.split!r} gives the training split no documents")
 
