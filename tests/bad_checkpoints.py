@@ -26,9 +26,11 @@ def rank_file(root: Path, tp_rank: int = 0, pp_rank: int = 0, pp: int = 1, itera
 
 def edit_rank_file(path: Path, edit: Callable[[dict], None]) -> Path:
     """Apply `edit(model_state_dict)` to the `model` entry of a rank file we wrote (in place)."""
+    from hf_megatron.checkpoint.checksums import write_checksum
     payload = torch.load(path, weights_only=False)  # our own test file
     edit(payload["model"])
     torch.save(payload, path)
+    write_checksum(path)  # a consistent (if wrong) checkpoint: what is tested is the check after the checksum
     return path
 
 
@@ -50,3 +52,18 @@ def write_torch_dist(full: dict[str, torch.Tensor], args: argparse.Namespace, ro
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(Path(root) / f"iter_{iteration:07d}")), no_dist=True)
     (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return Path(root)
+
+
+def flip_tensor_byte(path: Path) -> int:
+    """Flip one byte in the middle of the largest tensor record of a torch.save zip file (stored
+    uncompressed); returns its offset in the file."""
+    import struct
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(Path(path).read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26: info.header_offset + 30])
+    offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    raw[offset] ^= 0x10
+    Path(path).write_bytes(bytes(raw))
+    return offset

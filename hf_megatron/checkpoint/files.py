@@ -25,6 +25,7 @@ from typing import Iterable
 import torch
 
 from ..errors import CheckpointError
+from .checksums import checksum_missing_files, sidecar, write_checksum
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -120,7 +121,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_atomic(obj, path: Path) -> None:
+    """torch.save `obj` to `path` atomically, with its sha256 sidecar (checksums.py).  An old
+    sidecar goes first: a crash in between leaves a file without one, never a false mismatch."""
+    sidecar(path).unlink(missing_ok=True)
     _write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    write_checksum(path)
 
 
 try:
@@ -182,6 +187,7 @@ class StagingDir:
             self.path.mkdir()
 
     def commit(self) -> Path:
+        checksum_missing_files(self.path)  # e.g. torch_dist's .distcp files; in place before the rename
         replace_dir(self.path, self.final)
         return self.final
 

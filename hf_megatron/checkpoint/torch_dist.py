@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 from ..parallel.sharding import VOCAB_PARAMS
 from .args import config_from_args
 from .legacy import te_to_local_name
+from .checksums import verify_folder
 from .reader import ARGS, CheckpointReader, info_entries
 from .shapes import check_tensor
 from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
@@ -98,6 +99,7 @@ class ChunkPlanner(DefaultLoadPlanner):
 class TorchDistCheckpoint(CheckpointReader):
     def __init__(self, folder: Path, iteration, vocab_size: int | None = None):
         self.folder, self.iteration = Path(folder), iteration
+        verify_folder(self.folder)  # the .distcp files, where their sidecars exist
         self.metadata = SafeReader(str(folder)).read_metadata()
         entries = self.metadata.state_dict_metadata
         common_file = folder / "common.pt"

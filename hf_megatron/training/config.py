@@ -178,6 +178,8 @@ class RunConfig:
     eval_iters: int = option(10, group="checkpointing and logging", at_least=1,
                              help="global batches per evaluation")
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
+    no_checkpoint_checksums: bool = option(False, group="checkpointing and logging",
+                                           help="neither write nor verify sha256 sidecars of checkpoint files")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -86,6 +86,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
+    from ..checkpoint.checksums import set_checksums
+    set_checksums(False if run.no_checkpoint_checksums else None)
     device = init_distributed()
     trainer.setup_parallel(cfg)
     grid = state.get_state()
