@@ -97,10 +97,34 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells (/proc), else by the
+    set-and-restore dance."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file a writer made 0600 (mkstemp, safetensors) the mode open() would have given it."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def _write_atomic(path: Path, write) -> None:
-    """write(temporary path in the same folder), then rename it to `path`."""
+    """write(temporary path in the same folder), then rename it to `path`.  mkstemp makes the
+    file 0600; it gets the mode a plain open() would have given it (0666 less the umask)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+    finally:
+        os.close(fd)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -179,6 +203,7 @@ class StagingDir:
         if not shared:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=f".{self.final.name}.partial-"))
+            os.chmod(self.path, 0o777 & ~current_umask())  # mkdtemp's 0700 would become the output's mode
             return
         self.path = self.final.parent / f".{self.final.name}.partial-shared"
         if create:
@@ -217,6 +242,6 @@ def copy_files_within(source: Path, out_dir: Path, names: Iterable[str], root: P
         target = file.resolve()
         if not target.is_relative_to(root):
             raise CheckpointError(f"{file}: a symlink to {target}, outside {root}; refusing to copy it")
-        shutil.copy2(target, out_dir / name)
+        shutil.copyfile(target, out_dir / name)  # the content only: the new file's mode follows the umask
         copied.append(name)
     return copied

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..architectures import hf_class_name, mcore_to_hf
-from ..checkpoint.files import copy_files_within
+from ..checkpoint.files import copy_files_within, honour_umask
 from ..config import ModelConfig
 from .hf_io import TOKENIZER_FILES, link_root
 from .layout import hf_meta_tensors
@@ -60,6 +60,7 @@ def write_hf_weights(out_dir: Path, config: ModelConfig, get_mcore: Callable[[st
         pending.setdefault(file, {})[name] = tensor.contiguous()
         if len(pending[file]) == len(plan.filename_to_tensors[file]):
             save_file(pending.pop(file), str(out_dir / file), metadata={"format": "pt"})
+            honour_umask(out_dir / file)  # safetensors creates its files 0600
     if pending:
         raise RuntimeError(f"internal error: shards {sorted(pending)} were never completed")
     if plan.is_sharded:
