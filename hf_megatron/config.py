@@ -57,6 +57,7 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -79,6 +80,26 @@ class ModelConfig:
             raise ConfigError(f"qk_layernorm must be true or false, got {self.qk_layernorm!r}")
         if self.activation not in ("swiglu", "gelu_tanh", "gelu"):
             raise ConfigError(f"activation must be 'swiglu', 'gelu_tanh' or 'gelu', got {self.activation!r}")
+
+    def _check_types(self) -> None:
+        """Sizes are positive integers, scales positive numbers, dropouts in [0, 1): one line naming the field."""
+        if not isinstance(self.model_type, str):
+            raise ConfigError(f"model_type: expected a string, got {self.model_type!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "num_query_groups", "kv_channels", "max_position_embeddings", "sliding_window",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            optional = name in ("num_query_groups", "kv_channels", "sliding_window")
+            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        for name in ("norm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name}: expected a positive number, got {value!r}")
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"{name}: expected a probability in [0, 1), got {value!r}")
 
     @property
     def gated_mlp(self) -> bool:

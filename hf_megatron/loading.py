@@ -52,7 +52,7 @@ def _hf_source(source: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]
                          "its config")
         return config, lambda name: state_dict[name].detach()
     checkpoint = HFCheckpoint(source)
-    config = ModelConfig.from_hf(checkpoint.config)
+    config = checkpoint.model_config()
     checkpoint.check(config)
     return config, checkpoint.get
 

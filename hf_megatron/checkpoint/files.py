@@ -48,10 +48,9 @@ def read_tracker(root: Path) -> int | str:
     text = tracker.read_text().strip()
     if text == "release":
         return text
-    try:
+    if text.isdigit():  # a plain non-negative number (no sign, no spaces inside)
         return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker}: expected an iteration number or 'release', got {text[:40]!r}") from None
+    raise CheckpointError(f"{tracker}: expected an iteration number or 'release', got {text[:40]!r}")
 
 
 def resolve_iteration_dir(path: str | os.PathLike, iteration: int | None = None) -> tuple[Path, int | str]:
@@ -74,14 +73,17 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | None = None)
 
 
 def saved_layout(iter_dir: Path) -> tuple[int, int]:
-    """(tp, pp) implied by the mp_rank_TT[_PPP] folder names (0, 0 when there are none)."""
-    tps, pps = set(), set()
+    """(tp, pp) implied by the mp_rank_TT[_PPP] folder names (0, 0 when there are none); a _PPP
+    suffix means pp > 1 even when only stage 0's folders are left."""
+    tps, pps, staged = set(), set(), False
     for d in iter_dir.glob("mp_rank_*"):
         parts = d.name.split("_")[2:]
         if d.is_dir() and parts and all(p.isdigit() for p in parts):
             tps.add(int(parts[0]))
             pps.add(int(parts[1]) if len(parts) > 1 else 0)
-    return (max(tps) + 1 if tps else 0), (max(pps) + 1 if pps else 0)
+            staged = staged or len(parts) > 1
+    pp = max(pps) + 1 if pps else 0
+    return (max(tps) + 1 if tps else 0), (max(pp, 2) if staged else pp)
 
 
 # ------------------------------------------------------------------ atomic writes

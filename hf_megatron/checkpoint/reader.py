@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from .args import config_from_args
 from .shapes import check_missing, check_tensor, full_shapes
 
 ARGS = "the checkpoint's args"
@@ -26,6 +27,29 @@ NOT_INFO = ("model", "optimizer", "opt_param_scheduler", "rng_state")  # entries
 def info_entries(payload: dict) -> dict:
     """A rank file's entries other than model chunks, optimizer, scheduler and RNG state."""
     return {k: v for k, v in payload.items() if not (isinstance(k, str) and k.startswith(NOT_INFO))}
+
+
+def config_of(args, vocab_size, where) -> "ModelConfig":
+    """The ModelConfig of a checkpoint's args; what we cannot use is an error naming `where`."""
+    from ..errors import ConfigError
+    try:
+        return config_from_args(args, vocab_size)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def checkpoint_version(value, where) -> float:
+    """Megatron's `checkpoint_version` entry (0 when absent) as a number."""
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{where}: checkpoint_version {value!r} is not a number") from None
+
+
+def vocab_rows_ok(rows: int, config) -> bool:
+    """A stored vocab table's row count: the vocabulary itself, or padded past it to a multiple of
+    make_vocab_size_divisible_by (Megatron pads to a multiple of that times tp)."""
+    return rows == config.vocab_size or (rows > config.vocab_size and rows % config.make_vocab_size_divisible_by == 0)
 
 
 class CheckpointReader:

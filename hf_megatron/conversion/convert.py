@@ -21,7 +21,6 @@ from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, write_text_at
 from ..checkpoint.load import open_megatron
 from ..checkpoint.names import layer_index
 from ..checkpoint.writer import write_megatron
-from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
@@ -51,7 +50,7 @@ def _finish_megatron(staging: StagingDir, iteration) -> None:
 def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str | None = None, verify: bool = False) -> dict[str, Any]:
     source_ckpt = HFCheckpoint(hf)
-    config = ModelConfig.from_hf(source_ckpt.config)
+    config = source_ckpt.model_config()
     source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
     generation = source_ckpt.path / "generation_config.json"

@@ -160,6 +160,15 @@ class HFCheckpoint:
             file, shape, dtype = stored[self._stored_name(name)]
             check_tensor(file, name, shape, dtype, expected[name], config, "config.json")
 
+    def model_config(self):
+        """The ModelConfig of config.json; a field we cannot use is an error naming the file."""
+        from ..config import ModelConfig
+        from ..errors import ConfigError
+        try:
+            return ModelConfig.from_hf(self.config)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.path / 'config.json'}: {exc}") from None
+
     def keys(self) -> list[str]:
         return list(self._where)
 

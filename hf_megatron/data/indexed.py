@@ -55,6 +55,8 @@ def _read_header(path: str) -> tuple[np.dtype, int, int]:
             head = stream.read(HEADER_BYTES)
     except FileNotFoundError:
         raise DataNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
+    except OSError as exc:  # a folder, unreadable
+        raise DataError(f"{path}: cannot read the index ({exc.strerror})") from None
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
         raise DataError(f"{path}: not a Megatron MMIDIDX index (wrong magic {head[:9]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_BYTES:

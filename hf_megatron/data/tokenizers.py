@@ -90,13 +90,20 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
             return HFTokenizer(AutoTokenizer.from_pretrained(tokenizer_model))
         except (OSError, ValueError) as exc:
             raise DataNotFoundError(f"{tokenizer_model}: cannot load a transformers tokenizer ({exc})".splitlines()[0]) from None
+        except Exception as exc:  # the tokenizers library's parse errors of a damaged tokenizer.json
+            raise DataError(f"{tokenizer_model}: cannot load a transformers tokenizer "
+                            f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
     if tokenizer_type == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 
         vocab = _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
         merges = _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
         # positional: transformers 4 names them vocab_file/merges_file, transformers 5 vocab/merges
-        return HFTokenizer(GPT2TokenizerFast(vocab, merges))
+        try:
+            return HFTokenizer(GPT2TokenizerFast(vocab, merges))
+        except Exception as exc:  # a damaged vocab.json / merges.txt
+            raise DataError(f"{vocab} / {merges}: cannot build the GPT-2 BPE tokenizer "
+                            f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         model = _require_file(tokenizer_model, "--tokenizer-model", "SentencePiece model file")
         return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")
