@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import signal
+import subprocess
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +47,21 @@ class Hang(Exception):
     pass
 
 
+SUBPROCESS = {"on": False}  # run `cli` cases as `python -m hf_megatron.cli` processes instead
+REPO = Path(__file__).resolve().parents[1]
+
+
 def cli(argv: list[str]) -> Cli:
-    """`hf-megatron <argv>` in this process; stderr captured."""
+    """`hf-megatron <argv>` in this process (stderr captured), or in its own process."""
+    if SUBPROCESS["on"]:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        try:
+            done = subprocess.run([sys.executable, "-m", "hf_megatron.cli", *map(str, argv)], capture_output=True,
+                                  text=True, env=env, timeout=TIMEOUT_S * 3)
+        except subprocess.TimeoutExpired:
+            raise Hang() from None
+        return Cli(done.returncode, done.stderr)
     from hf_megatron.cli import main
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -81,7 +81,12 @@ def _megatron_root(path: Path) -> Path:
 def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
                    tokenizer: str | os.PathLike | None = None, max_shard_size: int | str = "5GB",
                    verify: bool = False, vocab_size: int | None = None) -> dict[str, Any]:
+    if vocab_size is not None and vocab_size < 1:
+        raise ConfigError(f"--vocab-size: expected a positive number, got {vocab_size}")
     ckpt = open_megatron(megatron, vocab_size=vocab_size)
+    if vocab_size is not None and vocab_size != ckpt.config.vocab_size:
+        raise ConfigError(f"--vocab-size {vocab_size} disagrees with the checkpoint's vocabulary of "
+                          f"{ckpt.config.vocab_size} (its args.hf_config); leave the flag out")
     target = parse_dtype(dtype)
     out_dtype = target or _stored_dtype(ckpt)
     tokenizer_src = Path(tokenizer) if tokenizer else _megatron_root(Path(megatron)) / TOKENIZER_SUBDIR

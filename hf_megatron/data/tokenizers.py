@@ -72,7 +72,14 @@ class NullTokenizer:
         self.eod = self.vocab_size - 1
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        """Space-separated token ids, each in [0, vocab_size)."""
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise DataError(f"NullTokenizer: expected space-separated token ids, got {text[:40]!r}") from None
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise DataError(f"NullTokenizer: a token id of {text[:40]!r} is outside [0, {self.vocab_size}) (--vocab-size)")
+        return ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
@@ -110,6 +117,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise ConfigError("--vocab-size is required for NullTokenizer")
+        if vocab_size < 1:
+            raise ConfigError(f"--vocab-size: expected a positive number, got {vocab_size}")
         return NullTokenizer(vocab_size)
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 
