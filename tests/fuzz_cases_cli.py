@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import typing
 
 from fuzz_bases import Bases
@@ -96,5 +97,35 @@ def converter_cases(b: Bases) -> list[Case]:
     return cases
 
 
+def _disk_full(target: str, run):
+    """`run(workdir)` while `target` (a writer the converters use) fails as on a full disk."""
+    def case(workdir):
+        from unittest import mock
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", str(workdir / "out"))
+        with mock.patch(target, full):
+            result = run(workdir)
+        leftovers = [p.name for p in workdir.iterdir() if p.name.startswith(".out")]
+        assert not leftovers and not (workdir / "out").exists(), leftovers  # nothing half-written left
+        return result
+    return case
+
+
+def output_cases(b: Bases) -> list[Case]:
+    cat = "CLI flags"
+    runs = {"hf-to-megatron": lambda w, out: cli(["convert", "hf-to-megatron", "--hf", b.llama, "--out", out]),
+            "megatron-to-hf": lambda w, out: cli(["convert", "megatron-to-hf", "--megatron", b.meg_llama, "--out", out]),
+            "reshard": lambda w, out: cli(["reshard", "--src", b.meg_llama, "--out", out])}
+    cases = []
+    for name, run in runs.items():
+        cases.append(Case(cat, f"{name} --out under a file", lambda w, run=run: (
+            w.joinpath("file").write_text("x"), run(w, w / "file" / "out"))[1], "cannot write"))
+        writer = "safetensors.torch.save_file" if name == "megatron-to-hf" else "torch.save"
+        cases.append(Case(cat, f"{name} on a full disk", _disk_full(writer, lambda w, run=run: run(w, w / "out")),
+                          "No space left on device"))
+    return cases
+
+
 def cli_cases(b: Bases) -> list[Case]:
-    return train_cases(b) + converter_cases(b)
+    return train_cases(b) + converter_cases(b) + output_cases(b)

@@ -24,7 +24,7 @@ from typing import Iterable
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HFMegatronError
 from .checksums import checksum_missing_files, sidecar, write_checksum
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -202,6 +202,12 @@ class StagingDir:
         self.final = Path(final)
         if self.final.exists() and not allow_existing and (not self.final.is_dir() or any(self.final.iterdir())):
             raise CheckpointError(f"{self.final}: output folder exists and is not empty; remove it or pick another")
+        try:
+            self._make(shared, create)
+        except OSError as exc:
+            raise _cannot_write(self.final, exc) from exc
+
+    def _make(self, shared: bool, create: bool) -> None:
         if not shared:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=f".{self.final.name}.partial-"))
@@ -227,6 +233,13 @@ class StagingDir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, HFMegatronError):
+                raise _cannot_write(self.final, exc) from exc  # disk full, permissions: one line, nothing left
+
+
+def _cannot_write(final: Path, exc: OSError) -> CheckpointError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(f"{final}: cannot write the output: {exc.strerror or exc}{where}")
 
 
 # ------------------------------------------------------------------ copying side files
