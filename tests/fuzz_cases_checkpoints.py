@@ -217,23 +217,20 @@ def _reshard(root: Path, workdir: Path):
     return cli(["reshard", "--src", root, "--out", workdir / "out", "--tp", "1"])
 
 
-def _load_weights(root: Path, workdir: Path):
-    from hf_megatron.checkpoint.load import load_megatron_weights, open_megatron
-    from hf_megatron.loading import build_model
-    from hf_megatron.parallel import state
-    state.reset()
-    from hf_megatron.conversion.hf_io import HFCheckpoint
-    from hf_megatron.config import ModelConfig
-    model = build_model(ModelConfig.from_hf(HFCheckpoint(_LLAMA[0]).config), init=False)
-    return load_megatron_weights(model, root)
-
-
-_LLAMA: list[Path] = []
+def _load_weights(b: Bases):
+    """load_megatron_weights of a checkpoint into a fresh llama model (the library entry point)."""
+    def run(root: Path, workdir: Path):
+        from hf_megatron.checkpoint.load import load_megatron_weights
+        from hf_megatron.conversion.hf_io import HFCheckpoint
+        from hf_megatron.loading import build_model
+        from hf_megatron.parallel import state
+        state.reset()
+        return load_megatron_weights(build_model(HFCheckpoint(b.llama).model_config(), init=False), root)
+    return run
 
 
 def megatron_cases(b: Bases) -> list[Case]:
     cat = "Megatron rank files"
-    _LLAMA[:] = [b.llama]
     local = [k for k, v in torch.load(rank_file(b.meg_llama, tp_rank=1), weights_only=False)["model"].items()]
     pt = "model_optim_rng.pt"
     cases = []
@@ -250,7 +247,7 @@ def megatron_cases(b: Bases) -> list[Case]:
               for n in local[::4]]
     cases += [Case(cat, f"reshard: rank 1 lacks {n}", _rank(b, lambda m, n=n: m.pop(n), 1, _reshard), n) for n in local[::3]]
     cases += [Case(cat, f"load_megatron_weights: rank 0 {n} wrong", _rank(
-        b, lambda m, n=n: m.__setitem__(n, torch.zeros(3)), 0, _load_weights), n) for n in local[::5]]
+        b, lambda m, n=n: m.__setitem__(n, torch.zeros(3)), 0, _load_weights(b)), n) for n in local[::5]]
     cases += [Case(cat, "rank 1 entry a string", _rank(b, lambda m: m.__setitem__(local[0], "weights")), local[0]),
               Case(cat, "extra layer tensor", _rank(b, lambda m: m.__setitem__("decoder.layers.7.mlp.linear_fc1.weight",
                                                                              torch.zeros(2))), "decoder.layers.7")]
@@ -309,11 +306,9 @@ def _dist_file(b: Bases, name: str, make):
 def _dist_state(b: Bases, edit, layers: int = 2):
     def run(workdir: Path):
         from hf_megatron.checkpoint.load import open_megatron
-        from hf_megatron.checkpoint.checksums import set_checksums
         reader = open_megatron(b.meg_llama)
         full = reader.full_state_dict()
         edit(full)
-        set_checksums(None)
         write_torch_dist(full, reader.args, workdir / "dist", num_layers=layers)
         return to_hf(workdir / "dist", workdir, "--vocab-size", "300")
     return run
