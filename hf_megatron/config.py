@@ -69,6 +69,7 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -103,6 +104,26 @@ class ModelConfig:
                                            or int(self.kv_channels * self.rotary_percent) % 2):
             raise ConfigError(f"rotary_percent (partial_rotary_factor)={self.rotary_percent} must be in (0, 1] and "
                               f"rotate an even number of the {self.kv_channels} head dims")
+
+    def _check_types(self) -> None:
+        """Sizes are positive integers, scales positive numbers, dropouts in [0, 1): one line naming the field."""
+        if not isinstance(self.model_type, str):
+            raise ConfigError(f"model_type: expected a string, got {self.model_type!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "num_query_groups", "kv_channels", "max_position_embeddings", "sliding_window",
+                     "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            optional = name in ("num_query_groups", "kv_channels", "sliding_window")
+            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name}: expected a positive integer, got {value!r}")
+        for name in ("norm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"{name}: expected a positive number, got {value!r}")
+        for name in ("hidden_dropout", "attention_dropout", "embedding_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"{name}: expected a probability in [0, 1), got {value!r}")
 
     @property
     def gated_mlp(self) -> bool:

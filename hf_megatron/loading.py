@@ -24,8 +24,9 @@ from torch import nn
 
 from .architectures import hf_to_mcore, plan_for
 from .config import ModelConfig
+from .checkpoint.shapes import check_missing, check_tensor
 from .conversion.hf_io import HFCheckpoint
-from .errors import CheckpointError
+from .conversion.layout import hf_shapes
 from .model.gpt import GPTModel
 from .model.init import init_tensor
 from .parallel import state
@@ -39,22 +40,22 @@ from .parallel.sharding import load_full_weights
 _GRID = object()  # default tensor-parallel group: the one of the process's rank grid
 
 
-def _hf_source(source: Any) -> tuple[dict, Callable[[str], torch.Tensor]]:
-    """(hf config dict, get(name) -> tensor) for a transformers model object, a folder or a repo id."""
+def _hf_source(source: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
+    """(config, get(name) -> tensor) for a transformers model object, a folder or a repo id; every
+    weight the config needs is checked present at its shape before any is read."""
     if isinstance(source, nn.Module) and hasattr(source, "config"):
+        config = ModelConfig.from_hf(source.config.to_dict())
         state_dict = source.state_dict()
-        if getattr(source.config, "tie_word_embeddings", False):
-            state_dict.pop("lm_head.weight", None)
-
-        def get(name):
-            try:
-                return state_dict[name].detach()
-            except KeyError:
-                raise CheckpointError(f"the given model has no tensor {name!r}") from None
-
-        return source.config.to_dict(), get
+        expected = hf_shapes(config)
+        check_missing("the given model", state_dict, expected, config, "its config")
+        for name, shape in expected.items():
+            check_tensor("the given model", name, state_dict[name].shape, state_dict[name].dtype, shape, config,
+                         "its config")
+        return config, lambda name: state_dict[name].detach()
     checkpoint = HFCheckpoint(source)
-    return checkpoint.config, checkpoint.get
+    config = checkpoint.model_config()
+    checkpoint.check(config)
+    return config, checkpoint.get
 
 
 def init_pairs(model: nn.Module, full_shapes: dict[str, torch.Size], seed: int) -> Iterable[tuple[str, torch.Tensor]]:
@@ -96,8 +97,7 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     if isinstance(source, ModelConfig):
         config, get = source, None
     else:
-        hf_config, get = _hf_source(source)  # opened once: config now, tensors after materialising
-        config = ModelConfig.from_hf(hf_config)
+        config, get = _hf_source(source)  # opened once: config now, tensors after materialising
     with torch.device("meta"):
         whole = GPTModel(config, dtype=dtype)
     shapes = {k: v.shape for k, v in whole.state_dict().items()}  # before parallelize shards `whole` itself

@@ -11,6 +11,7 @@ import torch
 import hf_megatron
 from hf_megatron.conversion.convert import hf_to_megatron
 from hf_megatron.conversion.hf_io import CheckpointError
+from hf_megatron.checkpoint.checksums import sidecar
 from hf_megatron.checkpoint.unpickle import safe_load
 from hf_megatron.parallel import state
 from hf_megatron.parallel.random import model_parallel_seed
@@ -112,6 +113,7 @@ def test_load_megatron_lm_file_with_numpy_rng_and_cuda_tracker(tmp_path):
                              "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.ones(8, dtype=torch.uint8),
                              "rng_tracker_states": {"model-parallel-rng": torch.ones(8, dtype=torch.uint8)}}]
     torch.save(payload, path)
+    sidecar(path).unlink()  # Megatron-LM writes no checksum sidecar
     fresh, _, _ = _setup(seed=3)
     assert load_checkpoint(tmp_path, fresh) == 5
     for name, tensor in model.state_dict().items():

@@ -135,7 +135,8 @@ def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
         assert r["resumed"] == r["uninterrupted"] and len(set(r["uninterrupted"])) == len(r["uninterrupted"])
         assert r["zero_resumed"] == r["zero_uninterrupted"]
     zero_dir = tmp_path / "saved/resume_zero/iter_0000002/mp_rank_00_001"
-    assert sorted(p.name for p in zero_dir.iterdir()) == ["model_optim_rng.pt", "optim_dp_000.pt", "optim_dp_001.pt"]
+    files = ["model_optim_rng.pt", "optim_dp_000.pt", "optim_dp_001.pt"]
+    assert sorted(p.name for p in zero_dir.iterdir()) == sorted(files + [f + ".sha256" for f in files])  # + checksums
     assert "optimizer" not in safe_load(zero_dir / "model_optim_rng.pt")
     resume_file = safe_load(tmp_path / "saved/resume/iter_0000002/mp_rank_01_001/model_optim_rng.pt")
     assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state"} <= set(resume_file)

@@ -11,6 +11,7 @@ import torch
 
 from hf_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
 from hf_megatron.conversion.hf_io import CheckpointError
+from hf_megatron.checkpoint.checksums import sidecar
 from hf_megatron.checkpoint.unpickle import safe_load
 from test_convert_helpers import assert_identical, hf_sources, hf_tensors  # noqa: F401
 
@@ -89,6 +90,7 @@ def test_transformer_engine_names_are_read(hf_sources, tmp_path):
         renamed[name.rsplit(".", 1)[0] + "._extra_state"] = None  # TE writes these; they are skipped
     payload["model"] = renamed
     torch.save(payload, path)
+    sidecar(path).unlink()  # TransformerEngine-era Megatron-LM writes no checksum sidecar
     megatron_to_hf(tmp_path / "m", tmp_path / "hf")
     assert_identical(hf_tensors(hf_sources["llama"]), hf_tensors(tmp_path / "hf"))
 

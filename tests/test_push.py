@@ -53,12 +53,14 @@ def _trained_hf_folder(hf_sources, tmp_path):
     hf_to_megatron(hf_sources["llama"], tmp_path / "meg", tp=2, pp=2)
     # the training facts a trainer stores through save_checkpoint(extra=...)
     import torch
+    from hf_megatron.checkpoint.checksums import sidecar
     from hf_megatron.checkpoint.unpickle import safe_load
     for rank_file in (tmp_path / "meg/release").glob("*/model_optim_rng.pt"):
         payload = safe_load(rank_file)
         payload.update(iteration=1200, consumed_train_samples=4800, loss=2.3456)  # as the training loop saves
         payload["args"].seq_length = 64
         torch.save(payload, rank_file)
+        sidecar(rank_file).unlink()  # edited after the save: its checksum no longer holds
     (tmp_path / "meg/release").rename(tmp_path / "meg/iter_0001200")
     (tmp_path / "meg/latest_checkpointed_iteration.txt").write_text("1200")
     megatron_to_hf(tmp_path / "meg", tmp_path / "hf")

@@ -46,9 +46,30 @@ def get(model_type: str | None) -> Architecture:
         raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(SUPPORTED))}") from None
 
 
+# HF config fields that, where present and set, must be positive integers (every family's names)
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                       "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                       "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
+# of those, the ones that may not be null where they appear (the others mean "default" as null)
+REQUIRED_IF_PRESENT = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                       "n_embd", "n_layer", "n_head")
+
+
 def config_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig keyword arguments for an HF config dict (its family's adapter)."""
-    return get(data.get("model_type")).adapter(data)
+    """ModelConfig keyword arguments for an HF config dict (its family's adapter).  A required
+    field that is absent is an error, never filled with transformers' default."""
+    for key in POSITIVE_INT_FIELDS:
+        value = data.get(key)
+        unset_ok = key not in REQUIRED_IF_PRESENT or key not in data
+        if (value is not None or not unset_ok) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"field {key!r}: expected a positive integer, got {value!r}")
+    arch = get(data.get("model_type"))
+    try:
+        return arch.adapter(data)
+    except KeyError as exc:
+        raise ConfigError(f"field {exc.args[0]!r} missing ({arch.model_type} needs it; no default is assumed)") from None
+    except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong kind (a list for a number, ...)
+        raise ConfigError(f"a field has the wrong type for {arch.model_type} ({type(exc).__name__}: {exc})") from None
 
 
 _config.install_hf_reader(config_fields)

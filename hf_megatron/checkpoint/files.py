@@ -24,7 +24,8 @@ from typing import Iterable
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, HFMegatronError
+from .checksums import checksum_missing_files, sidecar, write_checksum
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
@@ -47,10 +48,9 @@ def read_tracker(root: Path) -> int | str:
     text = tracker.read_text().strip()
     if text == "release":
         return text
-    try:
+    if text.isdigit():  # a plain non-negative number (no sign, no spaces inside)
         return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker}: expected an iteration number or 'release', got {text[:40]!r}") from None
+    raise CheckpointError(f"{tracker}: expected an iteration number or 'release', got {text[:40]!r}")
 
 
 def resolve_iteration_dir(path: str | os.PathLike, iteration: int | None = None) -> tuple[Path, int | str]:
@@ -73,14 +73,17 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | None = None)
 
 
 def saved_layout(iter_dir: Path) -> tuple[int, int]:
-    """(tp, pp) implied by the mp_rank_TT[_PPP] folder names (0, 0 when there are none)."""
-    tps, pps = set(), set()
+    """(tp, pp) implied by the mp_rank_TT[_PPP] folder names (0, 0 when there are none); a _PPP
+    suffix means pp > 1 even when only stage 0's folders are left."""
+    tps, pps, staged = set(), set(), False
     for d in iter_dir.glob("mp_rank_*"):
         parts = d.name.split("_")[2:]
         if d.is_dir() and parts and all(p.isdigit() for p in parts):
             tps.add(int(parts[0]))
             pps.add(int(parts[1]) if len(parts) > 1 else 0)
-    return (max(tps) + 1 if tps else 0), (max(pps) + 1 if pps else 0)
+            staged = staged or len(parts) > 1
+    pp = max(pps) + 1 if pps else 0
+    return (max(tps) + 1 if tps else 0), (max(pp, 2) if staged else pp)
 
 
 # ------------------------------------------------------------------ atomic writes
@@ -96,10 +99,34 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux tells (/proc), else by the
+    set-and-restore dance."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file a writer made 0600 (mkstemp, safetensors) the mode open() would have given it."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
 def _write_atomic(path: Path, write) -> None:
-    """write(temporary path in the same folder), then rename it to `path`."""
+    """write(temporary path in the same folder), then rename it to `path`.  mkstemp makes the
+    file 0600; it gets the mode a plain open() would have given it (0666 less the umask)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+    finally:
+        os.close(fd)
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -120,7 +147,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def save_atomic(obj, path: Path) -> None:
+    """torch.save `obj` to `path` atomically, with its sha256 sidecar (checksums.py).  An old
+    sidecar goes first: a crash in between leaves a file without one, never a false mismatch."""
+    sidecar(path).unlink(missing_ok=True)
     _write_atomic(path, lambda tmp: torch.save(obj, tmp))
+    write_checksum(path)
 
 
 try:
@@ -171,9 +202,16 @@ class StagingDir:
         self.final = Path(final)
         if self.final.exists() and not allow_existing and (not self.final.is_dir() or any(self.final.iterdir())):
             raise CheckpointError(f"{self.final}: output folder exists and is not empty; remove it or pick another")
+        try:
+            self._make(shared, create)
+        except OSError as exc:
+            raise _cannot_write(self.final, exc) from exc
+
+    def _make(self, shared: bool, create: bool) -> None:
         if not shared:
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(dir=self.final.parent, prefix=f".{self.final.name}.partial-"))
+            os.chmod(self.path, 0o777 & ~current_umask())  # mkdtemp's 0700 would become the output's mode
             return
         self.path = self.final.parent / f".{self.final.name}.partial-shared"
         if create:
@@ -182,6 +220,7 @@ class StagingDir:
             self.path.mkdir()
 
     def commit(self) -> Path:
+        checksum_missing_files(self.path)  # e.g. torch_dist's .distcp files; in place before the rename
         replace_dir(self.path, self.final)
         return self.final
 
@@ -194,6 +233,13 @@ class StagingDir:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
+            if isinstance(exc, OSError) and not isinstance(exc, HFMegatronError):
+                raise _cannot_write(self.final, exc) from exc  # disk full, permissions: one line, nothing left
+
+
+def _cannot_write(final: Path, exc: OSError) -> CheckpointError:
+    where = f" ({exc.filename})" if exc.filename else ""
+    return CheckpointError(f"{final}: cannot write the output: {exc.strerror or exc}{where}")
 
 
 # ------------------------------------------------------------------ copying side files
@@ -211,6 +257,6 @@ def copy_files_within(source: Path, out_dir: Path, names: Iterable[str], root: P
         target = file.resolve()
         if not target.is_relative_to(root):
             raise CheckpointError(f"{file}: a symlink to {target}, outside {root}; refusing to copy it")
-        shutil.copy2(target, out_dir / name)
+        shutil.copyfile(target, out_dir / name)  # the content only: the new file's mode follows the umask
         copied.append(name)
     return copied

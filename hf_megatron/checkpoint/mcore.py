@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.sharding import merge_tensor
-from .args import config_from_args
+from ..parallel.sharding import VOCAB_PARAMS, merge_tensor, split_tensor
 from .files import MODEL_FILE, rank_dir_name, resolve_iteration_dir, saved_layout
 from .legacy import model_state_to_mcore
 from .names import LAYER, chunk_keys, to_global_name
-from .reader import CheckpointReader, info_entries
+from .reader import ARGS, CheckpointReader, checkpoint_version, config_of, info_entries, vocab_rows_ok
+from .shapes import check_tensor
 from .unpickle import safe_load
 
 
@@ -50,7 +50,8 @@ class MegatronCheckpoint(CheckpointReader):
             raise CheckpointError(f"{folder}: no mp_rank_* folders (not a torch-format Megatron checkpoint)")
         first = self._load(0, 0)
         self.args = first.get("args")
-        self.checkpoint_version = float(first.get("checkpoint_version", 0) or 0)
+        first_file = folder / rank_dir_name(0, 0, self.pp) / MODEL_FILE
+        self.checkpoint_version = checkpoint_version(first.get("checkpoint_version"), first_file)
         self.info = info_entries(first)
         saved_tp = getattr(self.args, "tensor_model_parallel_size", None) or self.tp
         saved_pp = getattr(self.args, "pipeline_model_parallel_size", None) or self.pp
@@ -61,13 +62,14 @@ class MegatronCheckpoint(CheckpointReader):
                 if not (rank_dir / MODEL_FILE).is_file():
                     raise CheckpointError(f"{rank_dir / MODEL_FILE}: missing (checkpoint args say tp={self.tp}, "
                                           f"pp={self.pp}; every mp_rank folder must be present)")
-        self.config = config_from_args(self.args, vocab_size)
+        self.config = config_of(self.args, vocab_size, first_file)
         self.chunk_keys = chunk_keys(first)
         if not self.chunk_keys:
             raise CheckpointError(f"{folder / rank_dir_name(0, 0, self.pp) / MODEL_FILE}: no 'model' entry")
         self.vpp = len(self.chunk_keys)
         self._stage: tuple[int, list] | None = None
         self._place_layers()
+        self._check_shards()
 
     # ---------------------------------------------------------------- files
     def _load(self, tp_rank: int, pp_rank: int) -> dict:
@@ -114,6 +116,34 @@ class MegatronCheckpoint(CheckpointReader):
                 offset += counts[(p, v)]
         if offset != self.config.num_layers:
             raise CheckpointError(f"{self.folder}: holds {offset} layers but args say num_layers={self.config.num_layers}")
+
+    def _check_shards(self) -> None:
+        """Every rank file's shard of every weight, against the shard of the config's shape (vocab
+        tables: any padding that covers the vocabulary)."""
+        expected = self.expected_shapes()
+        for p in range(self.pp):  # every rank of a stage holds the same names as its tp rank 0
+            ranks = self._stage_states(p)
+            for t, chunks in enumerate(ranks[1:], start=1):
+                for v, chunk in enumerate(chunks):
+                    extra = sorted(set(chunk) - set(ranks[0][v]))
+                    if extra:
+                        raise CheckpointError(f"{self.folder / rank_dir_name(t, p, self.pp) / MODEL_FILE}: tensor "
+                                              f"{extra[0]!r} is not in tensor-parallel rank 0's file of its stage")
+        for name, (p, v, local) in sorted(self.where.items(), key=lambda item: item[1][0]):
+            want = split_tensor(name, torch.empty(expected[name], device="meta"), self.config, self.tp)
+            ranks = self._stage_states(p)
+            for t, chunks in enumerate(ranks):
+                file = self.folder / rank_dir_name(t, p, self.pp) / MODEL_FILE
+                tensor = chunks[v].get(local)
+                if tensor is None:
+                    raise CheckpointError(f"{file}: tensor {local!r} missing (tensor-parallel rank 0 of "
+                                          f"pipeline stage {p} holds it)")
+                shape = tuple(want[t].shape)
+                first = ranks[0][v][local]
+                if name in VOCAB_PARAMS and tensor.dim() == 2 and tuple(tensor.shape) == tuple(first.shape) \
+                        and tensor.shape[1] == shape[1] and vocab_rows_ok(tensor.shape[0] * self.tp, self.config):
+                    shape = tuple(tensor.shape)  # padded to another multiple: merge_tensor cuts it
+                check_tensor(file, local, tensor.shape, tensor.dtype, shape, self.config, ARGS)
 
     def get(self, name: str) -> torch.Tensor:
         p, v, local = self.locate(name)

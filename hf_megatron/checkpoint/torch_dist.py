@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..errors import CheckpointError
 from ..parallel.sharding import VOCAB_PARAMS
-from .args import config_from_args
 from .legacy import te_to_local_name
-from .reader import CheckpointReader, info_entries
+from .checksums import verify_folder
+from .reader import ARGS, CheckpointReader, checkpoint_version, config_of, info_entries, vocab_rows_ok
+from .shapes import check_tensor
 from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
 
 _LAYERS = "decoder.layers."
@@ -97,6 +98,7 @@ class ChunkPlanner(DefaultLoadPlanner):
 class TorchDistCheckpoint(CheckpointReader):
     def __init__(self, folder: Path, iteration, vocab_size: int | None = None):
         self.folder, self.iteration = Path(folder), iteration
+        verify_folder(self.folder)  # the .distcp files, where their sidecars exist
         self.metadata = SafeReader(str(folder)).read_metadata()
         entries = self.metadata.state_dict_metadata
         common_file = folder / "common.pt"
@@ -104,9 +106,9 @@ class TorchDistCheckpoint(CheckpointReader):
         if not isinstance(common, dict):
             raise CheckpointError(f"{common_file}: expected a dict of common state, found {type(common).__name__}")
         self.args = common.get("args")
-        self.checkpoint_version = float(common.get("checkpoint_version", 3.0) or 3.0)
+        self.checkpoint_version = checkpoint_version(common.get("checkpoint_version", 3.0), folder)
         self.info = info_entries(common)
-        self.config = config_from_args(self.args, vocab_size)
+        self.config = config_of(self.args, vocab_size, folder)
         self.tp = getattr(self.args, "tensor_model_parallel_size", 1)
         self.pp = getattr(self.args, "pipeline_model_parallel_size", 1)
         self.where: dict[str, tuple[str, int | None, str | None]] = {}
@@ -124,6 +126,32 @@ class TorchDistCheckpoint(CheckpointReader):
                 self.where.setdefault(name, (key if part is None else key[:-2], None, part))
         if not any(n.startswith(_LAYERS) for n in self.where):
             raise CheckpointError(f"{folder}: torch_dist checkpoint holds no decoder.layers.* model tensors")
+        self._check_entries()
+
+    def _check_entries(self) -> None:
+        """Every weight's global entry (from `.metadata`, nothing read) against the config's shape:
+        per-layer entries are [num_layers, ...]; fc1 parts `_w`/`_v` are half of fc1 each; vocab
+        tables padded to cover the vocabulary."""
+        expected = self.expected_shapes()
+        entries = self.metadata.state_dict_metadata
+        layers = self.config.num_layers
+        for name, (key, layer, part) in self.where.items():
+            for stored in ([key] if part is None else [key + "_w", key + "_v"]):
+                md = entries.get(stored)
+                if md is None:
+                    raise CheckpointError(f"{self.folder}: entry {stored!r} missing (its {key[:-2]}_w/_v twin is there)")
+                size = tuple(md.size)
+                if layer is not None and (not size or size[0] != layers):
+                    raise CheckpointError(f"{self.folder}: entry {stored!r} has shape {size}, expected "
+                                          f"[{layers}, ...] (one slice per layer; args say num_layers={layers})")
+                shape = size[1:] if layer is not None else size
+                if part is not None and shape:
+                    shape = (shape[0] * 2,) + shape[1:]
+                want = tuple(expected[name])
+                if name in VOCAB_PARAMS and len(shape) == 2 and shape[1] == want[1] and vocab_rows_ok(shape[0], self.config):
+                    shape = want  # vocab padding is cut on read
+                check_tensor(self.folder, stored if layer is None else f"{stored}[{layer}]", shape,
+                             md.properties.dtype, want, self.config, ARGS)
 
     def _common_from_bytes(self, entries) -> dict:
         common = {}
@@ -139,12 +167,12 @@ class TorchDistCheckpoint(CheckpointReader):
         try:
             with own_safe_globals():  # DCP reads tensor data with torch.load(weights_only=True)
                 dcp.load(state, storage_reader=SafeReader(str(self.folder)), planner=planner, no_dist=True)
-        except CheckpointError:
-            raise
+        except CheckpointError as exc:
+            raise _in_folder(exc, self.folder, planner.fqn) from None
         except (Exception, DCPFailure) as exc:  # DCP wraps what its reader raised: surface ours, else one line
             cause = next((e for e in _causes(exc) if isinstance(e, CheckpointError)), None)
             if cause is not None:
-                raise cause from None
+                raise _in_folder(cause, self.folder, planner.fqn) from None
             raise CheckpointError(f"{self.folder}: cannot read {planner.fqn!r} (not a loadable entry: "
                                   f"{first_line(exc)})") from None
         return state
@@ -166,6 +194,12 @@ class TorchDistCheckpoint(CheckpointReader):
         else:  # gate and up stored separately
             tensor = torch.cat([self._read(key + "_w", layer), self._read(key + "_v", layer)])
         return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
+
+
+def _in_folder(exc: CheckpointError, folder: Path, fqn: str) -> CheckpointError:
+    """An error about an in-memory entry ("<stream>: ...") as one about this checkpoint's entry."""
+    text = str(exc)
+    return CheckpointError(f"{folder}: entry {fqn!r}{text[len('<stream>'):]}") if text.startswith("<stream>") else exc
 
 
 def _causes(exc: BaseException):

@@ -36,6 +36,7 @@ from typing import Iterable, Iterator
 import torch
 
 from ..errors import CheckpointError
+from .checksums import verify_checksum
 
 
 class _Inert:
@@ -150,6 +151,8 @@ def safe_load(path, mmap: bool = False, stand_ins: Iterable[tuple[str, str]] = (
     where = "<stream>" if is_stream else str(path)
     if not is_stream and not Path(path).is_file():
         raise CheckpointError(f"{path}: missing")
+    if not is_stream:
+        verify_checksum(Path(path))  # a flipped byte is refused before anything is unpickled
     source = path if is_stream else str(path)
     table = _table(stand_ins)
     with own_safe_globals():

@@ -52,8 +52,9 @@ def write_rank_file(rank_dir: Path, payload: dict[str, Any]) -> Path:
 
 
 def check_layout(config, tp: int, pp: int, vpp: int | None) -> None:
-    if tp < 1 or pp < 1 or (vpp is not None and vpp < 1):
-        raise ParallelConfigError(f"tp, pp and vpp must be >= 1 (got tp={tp}, pp={pp}, vpp={vpp})")
+    for name, value in (("tp", tp), ("pp", pp), ("vpp", vpp)):
+        if value is not None and value < 1:
+            raise ParallelConfigError(f"--{name} (tensor / pipeline / virtual pipeline size): expected >= 1, got {value}")
     if vpp and vpp > 1 and pp == 1:
         raise ParallelConfigError("--vpp needs --pp > 1 (virtual stages interleave pipeline stages)")
     chunks = pp * (vpp or 1)

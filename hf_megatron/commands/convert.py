@@ -31,6 +31,7 @@ def add_parser(subparsers) -> None:
     to_megatron.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     to_megatron.add_argument("--dtype", default=None, help="store weights as fp32 | bf16 | fp16 (default: as is)")
     to_megatron.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    add_checksum_flag(to_megatron)
     to_megatron.set_defaults(func=run_to_megatron)
 
     to_hf = directions.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF folder (safetensors)")
@@ -42,7 +43,18 @@ def add_parser(subparsers) -> None:
     to_hf.add_argument("--vocab-size", type=int, default=None,
                        help="true vocabulary size, for Megatron-LM checkpoints that store only the padded one")
     to_hf.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    add_checksum_flag(to_hf)
     to_hf.set_defaults(func=run_to_hf)
+
+
+def add_checksum_flag(parser) -> None:
+    parser.add_argument("--no-checkpoint-checksums", action="store_true",
+                        help="neither write nor verify the sha256 sidecars of Megatron tensor files")
+
+
+def apply_checksum_flag(args) -> None:
+    from hf_megatron.checkpoint.checksums import set_checksums
+    set_checksums(False if args.no_checkpoint_checksums else None)
 
 
 def _print_report(report: dict) -> None:
@@ -55,12 +67,14 @@ def _print_report(report: dict) -> None:
 
 def run_to_megatron(args) -> int:
     from hf_megatron.conversion.convert import hf_to_megatron
+    apply_checksum_flag(args)
     _print_report(hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.verify))
     return 0
 
 
 def run_to_hf(args) -> int:
     from hf_megatron.conversion.convert import megatron_to_hf
+    apply_checksum_flag(args)
     if not SHARD_SIZE.fullmatch(args.max_shard_size):  # huggingface_hub's format, checked before any work
         raise ConfigError(f"--max-shard-size: expected a size like 5GB or 500MB (units KB, MB, GB, TB), "
                           f"got {args.max_shard_size!r}")

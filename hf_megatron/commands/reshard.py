@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from .convert import add_checksum_flag
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("reshard", help="change the TP/PP layout of a Megatron checkpoint",
@@ -19,11 +21,13 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    add_checksum_flag(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from hf_megatron.commands.convert import _print_report
+    from hf_megatron.commands.convert import _print_report, apply_checksum_flag
+    apply_checksum_flag(args)
     from hf_megatron.conversion.convert import reshard
     _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify))
     return 0

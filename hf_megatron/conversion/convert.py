@@ -21,7 +21,6 @@ from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, write_text_at
 from ..checkpoint.load import open_megatron
 from ..checkpoint.names import layer_index
 from ..checkpoint.writer import write_megatron
-from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
@@ -51,7 +50,8 @@ def _finish_megatron(staging: StagingDir, iteration) -> None:
 def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str | None = None, verify: bool = False) -> dict[str, Any]:
     source_ckpt = HFCheckpoint(hf)
-    config = ModelConfig.from_hf(source_ckpt.config)
+    config = source_ckpt.model_config()
+    source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
     generation = source_ckpt.path / "generation_config.json"
     args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}
@@ -81,7 +81,12 @@ def _megatron_root(path: Path) -> Path:
 def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
                    tokenizer: str | os.PathLike | None = None, max_shard_size: int | str = "5GB",
                    verify: bool = False, vocab_size: int | None = None) -> dict[str, Any]:
+    if vocab_size is not None and vocab_size < 1:
+        raise ConfigError(f"--vocab-size: expected a positive number, got {vocab_size}")
     ckpt = open_megatron(megatron, vocab_size=vocab_size)
+    if vocab_size is not None and vocab_size != ckpt.config.vocab_size:
+        raise ConfigError(f"--vocab-size {vocab_size} disagrees with the checkpoint's vocabulary of "
+                          f"{ckpt.config.vocab_size} (its args.hf_config); leave the flag out")
     target = parse_dtype(dtype)
     out_dtype = target or _stored_dtype(ckpt)
     tokenizer_src = Path(tokenizer) if tokenizer else _megatron_root(Path(megatron)) / TOKENIZER_SUBDIR

@@ -12,12 +12,32 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.unpickle import first_line
+from ..errors import CheckpointError  # re-exported
+
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
+# safetensors header dtype codes -> torch (what a weight may be; anything else reads as uint8: refused)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 
-from ..errors import CheckpointError  # noqa: E402  (re-exported)
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a safetensors index (a JSON object of name -> file in the folder)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index}: not valid JSON ({exc})") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{index}: expected a JSON object with a 'weight_map'") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) and v
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
+    return weight_map
 
 
 def resolve(name_or_path: str | os.PathLike) -> Path:
@@ -56,8 +76,10 @@ class HFCheckpoint:
             raise CheckpointError(f"{config_file}: missing (not a save_pretrained folder)")
         try:
             self.config = json.loads(config_file.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{config_file}: not valid JSON ({exc})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_file}: expected a JSON object, found {type(self.config).__name__}")
         self._where: dict[str, Path] = {}
         self._bin_cache: dict[Path, dict] = {}
         self._index()
@@ -67,11 +89,12 @@ class HFCheckpoint:
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._where = {k: self.path / v for k, v in weight_map.items()}
+            self._where = {k: self.path / v for k, v in _weight_map(index).items()}
             for file in set(self._where.values()):
                 if not file.is_file():
                     raise CheckpointError(f"{file}: listed in {index.name} but missing")
+                if not file.resolve().is_relative_to(link_root(self.path).resolve()):
+                    raise CheckpointError(f"{file}: listed in {index.name} but outside the checkpoint folder")
         elif single.is_file():
             try:
                 with safe_open(str(single), framework="pt") as f:
@@ -88,8 +111,63 @@ class HFCheckpoint:
 
     def _load_bin(self, file: Path) -> dict:
         if file not in self._bin_cache:
-            self._bin_cache[file] = torch.load(file, map_location="cpu", weights_only=True)
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True)
+            except Exception as exc:  # weights-only unpickling refused it, or not a torch file at all
+                raise CheckpointError(f"{file}: unreadable pytorch_model file ({first_line(exc)})") from None
+            if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise CheckpointError(f"{file}: expected a state dict of tensors, found {type(state).__name__}")
+            self._bin_cache[file] = state
         return self._bin_cache[file]
+
+    def stored(self) -> dict[str, tuple[Path, tuple[int, ...], torch.dtype]]:
+        """name -> (file, shape, dtype) of every stored tensor, from the safetensors headers
+        (no tensor data read)."""
+        from safetensors import safe_open
+        found: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
+        by_file: dict[Path, list[str]] = {}
+        for name, file in self._where.items():
+            by_file.setdefault(file, []).append(name)
+        for file, names in by_file.items():
+            if file.suffix == ".bin":
+                state = self._load_bin(file)
+                found.update({n: (file, tuple(state[n].shape), state[n].dtype) for n in names if n in state})
+                continue
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    keys = set(f.keys())
+                    for name in names:
+                        if name not in keys:
+                            raise CheckpointError(f"{file}: tensor {name!r} is listed in the index but not in the file")
+                        piece = f.get_slice(name)
+                        found[name] = (file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.uint8))
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"{file}: unreadable safetensors file ({first_line(exc)})") from None
+        return found
+
+    def check(self, config) -> None:
+        """Every weight `config` needs is stored, at its shape, in a floating dtype (one line naming
+        the file and the first bad tensor otherwise); names as `get` takes them."""
+        from ..checkpoint.shapes import check_missing, check_tensor
+        from .layout import hf_shapes
+        expected = hf_shapes(config)
+        stored = self.stored()
+        present = {name for name in expected if self._stored_name(name) in stored}
+        check_missing(self.path, present, expected, config, "config.json")
+        for name in expected:
+            file, shape, dtype = stored[self._stored_name(name)]
+            check_tensor(file, name, shape, dtype, expected[name], config, "config.json")
+
+    def model_config(self):
+        """The ModelConfig of config.json; a field we cannot use is an error naming the file."""
+        from ..config import ModelConfig
+        from ..errors import ConfigError
+        try:
+            return ModelConfig.from_hf(self.config)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.path / 'config.json'}: {exc}") from None
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -111,7 +189,10 @@ class HFCheckpoint:
         if file is None:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found in the checkpoint")
         if file.suffix == ".bin":
-            return self._load_bin(file)[name]
+            try:
+                return self._load_bin(file)[name]
+            except KeyError:
+                raise CheckpointError(f"{file}: tensor {name!r} is listed in the index but not in the file") from None
         from safetensors import safe_open
         try:
             with safe_open(str(file), framework="pt") as f:

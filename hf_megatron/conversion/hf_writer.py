@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 
 from ..architectures import hf_class_name, mcore_to_hf
-from ..checkpoint.files import copy_files_within
+from ..checkpoint.files import copy_files_within, honour_umask
 from ..config import ModelConfig
 from .hf_io import TOKENIZER_FILES, link_root
-from .layout import full_shapes
+from .layout import hf_meta_tensors
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -51,10 +51,8 @@ def write_hf_weights(out_dir: Path, config: ModelConfig, get_mcore: Callable[[st
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    shapes = full_shapes(config, padded_vocab=False)
-    meta_dtype = dtype or torch.float32
-    plan_source = mcore_to_hf(lambda n: torch.empty(shapes[n], dtype=meta_dtype, device="meta"), config)
-    plan = split_torch_state_dict_into_shards(dict(plan_source), max_shard_size=max_shard_size)
+    plan = split_torch_state_dict_into_shards(dict(hf_meta_tensors(config, dtype or torch.float32)),
+                                              max_shard_size=max_shard_size)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in mcore_to_hf(get_mcore, config):
         file = plan.tensor_to_filename[name]
@@ -62,6 +60,7 @@ def write_hf_weights(out_dir: Path, config: ModelConfig, get_mcore: Callable[[st
         pending.setdefault(file, {})[name] = tensor.contiguous()
         if len(pending[file]) == len(plan.filename_to_tensors[file]):
             save_file(pending.pop(file), str(out_dir / file), metadata={"format": "pt"})
+            honour_umask(out_dir / file)  # safetensors creates its files 0600
     if pending:
         raise RuntimeError(f"internal error: shards {sorted(pending)} were never completed")
     if plan.is_sharded:

@@ -1,22 +1,25 @@
-"""Names and shapes of a model's full megatron-core weights (from a meta-device model).  How
-they split over TP/PP ranks is `hf_megatron.parallel.sharding`; stage-local names are
-`hf_megatron.checkpoint.names`."""
+"""Names and shapes of a model's weights, megatron-core's (`checkpoint.shapes.full_shapes`) and
+HF's (the same, through the family's mapping run on meta tensors).  How they split over TP/PP
+ranks is `hf_megatron.parallel.sharding`; stage-local names are `hf_megatron.checkpoint.names`."""
 from __future__ import annotations
+
+from typing import Iterator
 
 import torch
 
+from ..architectures import mcore_to_hf
+from ..checkpoint.shapes import full_shapes
 from ..config import ModelConfig
-from ..model.gpt import GPTModel
-from ..parallel.sharding import VOCAB_PARAMS
+
+__all__ = ["full_shapes", "hf_meta_tensors", "hf_shapes"]
 
 
-def full_shapes(config: ModelConfig, padded_vocab: bool = True) -> dict[str, torch.Size]:
-    """Names and shapes of the full (single-process) megatron-core weights; vocab rows padded
-    (as a tp=1 model holds them) or not."""
-    with torch.device("meta"):  # a meta-device model gives the names and shapes, no memory
-        shapes = {k: v.shape for k, v in GPTModel(config).state_dict().items()}
-    if not padded_vocab:
-        for name in VOCAB_PARAMS:
-            if name in shapes:
-                shapes[name] = torch.Size((config.vocab_size,) + tuple(shapes[name][1:]))
-    return shapes
+def hf_meta_tensors(config: ModelConfig, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of a model as meta tensors (names, shapes, dtype; no memory), in mapping order."""
+    shapes = full_shapes(config, padded_vocab=False)
+    return mcore_to_hf(lambda n: torch.empty(shapes[n], dtype=dtype, device="meta"), config)
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """HF name -> shape of every weight the config's model has."""
+    return {name: tensor.shape for name, tensor in hf_meta_tensors(config)}

@@ -77,7 +77,7 @@ def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache
 def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
                        num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
                        add_extra_token: bool = True, mid_level_surplus: float = 0.005,
-                       drop_last_partial_validation: bool = True):
+                       drop_last_partial_validation: bool = True, vocab_size: int | None = None):
     """(train, valid, test) datasets; a split with a zero share is None.
 
     ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
@@ -87,6 +87,8 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     None = build in memory on every rank.  Under torch.distributed only rank 0 builds.
     ``drop_last_partial_validation=False`` keeps a last, padded, partial validation window
     (megatron's ``drop_last_partial_validation_sequence``).
+    ``vocab_size``: when given, every token id must be below it (checked once per file, the result
+    kept in ``cache_dir``).
     """
     prefixes, weights = parse_blend(data)
     if len(num_samples) != 3:
@@ -96,6 +98,9 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     bookends = split_bookends(split)
     extra = bool(add_extra_token)
     indexed = [_open(p) for p in prefixes]
+    if vocab_size is not None:
+        for ix in indexed:
+            ix.check_token_ids(vocab_size, cache_dir)
     for other in indexed[1:]:
         if other.dtype != indexed[0].dtype:
             raise DataError(f"{other.idx_file}: token dtype {other.dtype.name} differs from "

@@ -16,6 +16,8 @@ vocabulary under 65500 use uint16, larger ones int32.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import struct
@@ -53,6 +55,8 @@ def _read_header(path: str) -> tuple[np.dtype, int, int]:
             head = stream.read(HEADER_BYTES)
     except FileNotFoundError:
         raise DataNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
+    except OSError as exc:  # a folder, unreadable
+        raise DataError(f"{path}: cannot read the index ({exc.strerror})") from None
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
         raise DataError(f"{path}: not a Megatron MMIDIDX index (wrong magic {head[:9]!r}, expected {MAGIC!r})")
     if len(head) < HEADER_BYTES:
@@ -87,6 +91,12 @@ class IndexedDataset:
         self.sequence_lengths = np.frombuffer(index, np.int32, seq_count, HEADER_BYTES)
         self.sequence_pointers = np.frombuffer(index, np.int64, seq_count, HEADER_BYTES + 4 * seq_count)
         self.document_indices = np.frombuffer(index, np.int64, doc_count, HEADER_BYTES + 12 * seq_count)
+        if doc_count < 1:
+            raise DataError(f"{self.idx_file}: corrupt index (no document entries; expected at least the leading 0)")
+        if seq_count and int(self.sequence_lengths.min()) < 0:
+            first = int(np.argmax(self.sequence_lengths < 0))
+            raise DataError(f"{self.idx_file}: corrupt index (sequence {first} has negative length "
+                             f"{int(self.sequence_lengths[first])})")
         if not os.path.isfile(self.bin_file):
             raise DataNotFoundError(f"{self.bin_file}: data file not found (the index {self.idx_file} exists)")
         itemsize = self.dtype.itemsize
@@ -99,11 +109,48 @@ class IndexedDataset:
         if seq_count and (self.sequence_pointers[0] != 0 or not np.array_equal(
                 np.diff(self.sequence_pointers), self.sequence_lengths[:-1].astype(np.int64) * itemsize)):
             raise DataError(f"{self.idx_file}: corrupt index (sequence pointers do not follow the lengths)")
-        if doc_count and (self.document_indices[0] != 0 or self.document_indices[-1] != seq_count):
-            raise DataError(f"{self.idx_file}: corrupt index (document indices must run from 0 to "
+        if self.document_indices[0] != 0 or self.document_indices[-1] != seq_count \
+                or (doc_count > 1 and int(np.diff(self.document_indices).min()) < 0):
+            raise DataError(f"{self.idx_file}: corrupt index (document indices must rise from 0 to "
                              f"{seq_count}, found {self.document_indices[0]}..{self.document_indices[-1]})")
         # an empty .bin cannot be memory-mapped
         self._data = np.memmap(self.bin_file, dtype=self.dtype, mode="r") if bin_size else np.empty(0, self.dtype)
+
+    def token_range(self, cache_dir: str | None = None) -> tuple[int, int]:
+        """(min, max) token id in .bin, read once: with `cache_dir` the result is kept there in
+        `<name>-<md5 of path>-token-range.json`, valid while both files keep their size and mtime."""
+        stamp = [[os.path.getsize(f), os.stat(f).st_mtime_ns] for f in (self.idx_file, self.bin_file)]
+        cache = None
+        if cache_dir is not None:
+            key = hashlib.md5(os.path.abspath(self.bin_file).encode()).hexdigest()[:16]
+            cache = os.path.join(cache_dir, f"{os.path.basename(self.prefix)}-{key}-token-range.json")
+            try:
+                with open(cache) as f:
+                    saved = json.load(f)
+                if saved["files"] == stamp:
+                    return int(saved["min"]), int(saved["max"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass  # absent, stale or damaged: recompute
+        low, high = 0, -1
+        for start in range(0, len(self._data), 1 << 26):  # 64M tokens at a time: bounded memory
+            block = self._data[start: start + (1 << 26)]
+            low, high = (int(block.min()), int(block.max())) if high < low else \
+                (min(low, int(block.min())), max(high, int(block.max())))
+        if cache is not None:
+            os.makedirs(cache_dir, exist_ok=True)
+            tmp = f"{cache}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"files": stamp, "min": low, "max": high, "bin": os.path.abspath(self.bin_file)}, f)
+            os.replace(tmp, cache)
+        return low, high
+
+    def check_token_ids(self, vocab_size: int, cache_dir: str | None = None) -> None:
+        """Every token id must lie in [0, vocab_size): a DataError naming the file otherwise."""
+        low, high = self.token_range(cache_dir)
+        if high >= low and (low < 0 or high >= vocab_size):
+            bad = low if low < 0 else high
+            raise DataError(f"{self.bin_file}: token id {bad} outside the model's vocabulary [0, {vocab_size}) "
+                             f"(tokenised with another tokenizer?)")
 
     def __reduce__(self):
         # reopen by path in DataLoader workers (spawn/forkserver) instead of copying the mapped data

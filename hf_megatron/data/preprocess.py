@@ -148,6 +148,8 @@ def preprocess(options: PreprocessOptions) -> dict:
             pool.close()
             pool.join()
             pool = None
+        if not totals["documents"]:
+            raise DataError(f"{', '.join(options.inputs)}: no documents (empty input); nothing to write")
         outputs = {}
         for key in options.json_keys:
             final = output_prefix_for(options.output_prefix, key)

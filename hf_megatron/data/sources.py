@@ -105,12 +105,16 @@ def _lines(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
 
 def _pick(record: dict, keys: list[str], where: str) -> dict:
     try:
-        return {key: record[key] for key in keys}
+        picked = {key: record[key] for key in keys}
     except KeyError as exc:
         raise DataError(f"{where}: no field {exc.args[0]!r} (have {sorted(record)[:10]}); "
                          "set --json-keys") from None
     except TypeError:
         raise DataError(f"{where}: expected a JSON object per line") from None
+    for key, value in picked.items():  # null, numbers, lists would be tokenised as their repr ("None")
+        if not isinstance(value, str):
+            raise DataError(f"{where}: field {key!r} is {json.dumps(value)[:40]}, expected a string")
+    return picked
 
 
 def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:

@@ -72,7 +72,14 @@ class NullTokenizer:
         self.eod = self.vocab_size - 1
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(t) for t in text.split()]
+        """Space-separated token ids, each in [0, vocab_size)."""
+        try:
+            ids = [int(t) for t in text.split()]
+        except ValueError:
+            raise DataError(f"NullTokenizer: expected space-separated token ids, got {text[:40]!r}") from None
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise DataError(f"NullTokenizer: a token id of {text[:40]!r} is outside [0, {self.vocab_size}) (--vocab-size)")
+        return ids
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
@@ -90,19 +97,28 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
             return HFTokenizer(AutoTokenizer.from_pretrained(tokenizer_model))
         except (OSError, ValueError) as exc:
             raise DataNotFoundError(f"{tokenizer_model}: cannot load a transformers tokenizer ({exc})".splitlines()[0]) from None
+        except Exception as exc:  # the tokenizers library's parse errors of a damaged tokenizer.json
+            raise DataError(f"{tokenizer_model}: cannot load a transformers tokenizer "
+                            f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
     if tokenizer_type == "GPT2BPETokenizer":
         from transformers import GPT2TokenizerFast
 
         vocab = _require_file(vocab_file, "--vocab-file", "GPT-2 vocab.json")
         merges = _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
         # positional: transformers 4 names them vocab_file/merges_file, transformers 5 vocab/merges
-        return HFTokenizer(GPT2TokenizerFast(vocab, merges))
+        try:
+            return HFTokenizer(GPT2TokenizerFast(vocab, merges))
+        except Exception as exc:  # a damaged vocab.json / merges.txt
+            raise DataError(f"{vocab} / {merges}: cannot build the GPT-2 BPE tokenizer "
+                            f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         model = _require_file(tokenizer_model, "--tokenizer-model", "SentencePiece model file")
         return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise ConfigError("--vocab-size is required for NullTokenizer")
+        if vocab_size < 1:
+            raise ConfigError(f"--vocab-size: expected a positive number, got {vocab_size}")
         return NullTokenizer(vocab_size)
     raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import operator
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -58,6 +59,8 @@ def check_fields(config) -> None:
             _fail(config, f.name, "True or False", value)
         if value is None or isinstance(value, bool):
             continue
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(config, f.name, "a finite number", value)
         if meta.get("choices") and value not in meta["choices"]:
             _fail(config, f.name, f"one of {', '.join(meta['choices'])}", value)
         bounds = [(meta[key], symbol, test) for key, symbol, test in BOUNDS if meta.get(key) is not None]
@@ -183,6 +186,8 @@ class RunConfig:
     eval_iters: int = option(10, group="checkpointing and logging", at_least=1,
                              help="global batches per evaluation")
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
+    no_checkpoint_checksums: bool = option(False, group="checkpointing and logging",
+                                           help="neither write nor verify sha256 sidecars of checkpoint files")
 
     def __post_init__(self) -> None:
         check_fields(self)

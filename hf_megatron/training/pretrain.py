@@ -86,6 +86,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
+    from ..checkpoint.checksums import set_checksums
+    set_checksums(False if run.no_checkpoint_checksums else None)
     device = init_distributed()
     trainer.setup_parallel(cfg)
     grid = state.get_state()
@@ -103,7 +105,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     train_ds, valid_ds, _ = build_gpt_datasets(
         run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
         seq_length=run.seq_length, seed=cfg.seed, num_samples=(cfg.train_iters * gbs, eval_samples or None, None),
-        cache_dir=run.data_cache_path or "auto")
+        cache_dir=run.data_cache_path or "auto", vocab_size=chunks[0].config.vocab_size)
     if train_ds is None:
         raise DataError(f"--split {run.split!r} gives the training split no documents")
 
