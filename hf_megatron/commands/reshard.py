@@ -19,11 +19,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    from hf_megatron.commands.convert import add_output_format_flags
+    add_output_format_flags(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
     from hf_megatron.commands.convert import _print_report
     from hf_megatron.conversion.convert import reshard
-    _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify))
+    _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify, args.ckpt_format,
+                          args.legacy_names))
     return 0
