@@ -14,6 +14,7 @@ renumbered from 0 in its file.  The first chunk owns the embedding; the last own
 norm and output layer -- for tied embeddings too when it lacks the embedding (Megatron keeps a
 copy there).  `write_megatron` writes one rank at a time: memory is one rank's shard plus one
 full tensor (the source is asked again for every rank; sources are lazy readers).
+`legacy_names` writes each chunk in Megatron-LM's pre-mcore nested layout (legacy.mcore_to_legacy).
 """
 from __future__ import annotations
 
