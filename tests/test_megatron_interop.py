@@ -268,6 +268,12 @@ def test_rng_reader_takes_the_previous_layout_and_megatron_lm_numpy_arrays(tmp_p
     assert np.array_equal(np.random.rand(4), following)
 
 
+def test_philox_seed_wraps_like_a_uint64():
+    # an unseeded generator's initial seed is any uint64: the state holds its eight bytes
+    assert rng.philox_state(2 ** 64 - 1).view(torch.int64).tolist() == [-1, 0]
+    assert rng.philox_state(2 ** 64 + 5, 3).view(torch.int64).tolist() == [5, 3]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_philox_placeholder_is_what_cuda_holds_after_seeding():
     torch.cuda.manual_seed(1234)

@@ -43,8 +43,11 @@ EXPERT_SEED_OFFSET = 1024  # megatron-core's model_parallel_cuda_manual_seed
 
 
 def philox_state(seed: int, offset: int = 0) -> torch.Tensor:
-    """A CUDA generator state (uint8[16], int64 seed then int64 offset), built on any machine."""
-    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8).clone()
+    """A CUDA generator state (uint8[16], uint64 seed then int64 offset), built on any machine.
+    The seed wraps modulo 2^64 (an unseeded generator's seed is any uint64) and is stored in the
+    same eight bytes as int64."""
+    seed %= 2 ** 64
+    return torch.tensor([seed - 2 ** 64 if seed >= 2 ** 63 else seed, offset], dtype=torch.int64).view(torch.uint8).clone()
 
 
 def _seed_of(cpu_state: torch.Tensor) -> int:
