@@ -1,9 +1,26 @@
 """The `args` namespace stored in Megatron checkpoints, both ways.
 
-`build_args(config, tp, pp)` writes Megatron-LM's argument names (num_layers, hidden_size,
-num_query_groups, padded_vocab_size, swiglu, untie_embeddings_and_output_weights, ...) plus
-`hf_config` (the transformers config dict, so conversion back to HF is exact) and
-`hf_megatron_version`.
+`build_args(config, layout)` writes one table, `FIELDS`: every argument Megatron-LM (tag
+core_v0.16.1) reads back from a checkpoint's `args`, with Megatron-LM's value for it --
+
+    load_args_from_checkpoint   megatron/training/checkpointing.py: model shape, position
+                                embedding, biases, norms, tokenizer, padded vocab, TP/PP/VPP
+    load_checkpoint             args.consumed_train_samples / consumed_valid_samples, the
+                                (TP, PP) check, no_save_optim / no_save_rng
+    tools/checkpoint loader     fp16, bf16 (-> params_dtype), seq_length (validate_args asserts
+                                seq_length or encoder_seq_length), tokenizer_type, iteration
+    tools/checkpoint saver      sequence_parallel, apply_query_key_layer_scaling
+    transformers' GPT-2 script  padded_vocab_size, max_position_embeddings, ffn_hidden_size,
+                                bias_gelu_fusion / openai_gelu (-> activation), tokenizer_type
+
+-- plus ours: `hf_config` (the transformers config dict, so conversion back to HF is exact),
+`hf_megatron_version`.  Writers pass what only they know as a `Layout` (parallel sizes, the
+parameter dtype, the training sequence length, the tokenizer, the data position).
+
+Activation: megatron-core's MLP uses exact `F.gelu`, except with `bias_gelu_fusion` (and
+linear biases) where its fused kernel is the tanh approximation
+    gelu(x) ~ x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))
+-- so a tanh-GELU model (GPT-2) gets `bias_gelu_fusion=True`; legacy models read `openai_gelu`.
 
 `config_from_args(args)` reads any Megatron checkpoint's args back into a ModelConfig: from
 `hf_config` when we wrote it, otherwise by each architecture record's recogniser of Megatron's
@@ -12,63 +29,171 @@ flags (`hf_megatron.architectures.hf_config_from_megatron_args`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
 
 from ..architectures import hf_config_from_megatron_args
 from ..config import ConfigError, ModelConfig
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
-def build_args(config: ModelConfig, tp: int = 1, pp: int = 1, vpp: int | None = None, dp: int = 1,
-               **extra: Any) -> argparse.Namespace:
-    rope = config.rope_scaling or {}
-    args = dict(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        group_query_attention=config.num_query_groups != config.num_attention_heads,
-        kv_channels=config.kv_channels,
-        max_position_embeddings=config.max_position_embeddings,
-        seq_length=None,  # the training sequence length: set by the trainer through save_checkpoint(args=...)
-        vocab_size=config.vocab_size,
-        padded_vocab_size=config.padded_vocab_size(tp),
-        make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        num_layers_per_virtual_pipeline_stage=config.num_layers // (pp * vpp) if vpp else None,
-        data_parallel_size=dp,
-        world_size=tp * pp * dp,
-        normalization=config.normalization,
-        apply_layernorm_1p=config.layernorm_zero_centered_gamma,  # Megatron-LM's name for (1 + w) norms
-        norm_epsilon=config.norm_epsilon,
-        layernorm_epsilon=config.norm_epsilon,
-        swiglu=config.activation == "swiglu",
-        openai_gelu=config.activation == "gelu_tanh",
-        position_embedding_type=config.position_embedding_type,
-        rotary_base=config.rotary_base,
-        rotary_percent=config.rotary_percent,
-        use_rope_scaling=rope.get("rope_type") == "llama3",
-        rope_scaling_factor=rope.get("factor", 8.0),
-        untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        add_qkv_bias=config.add_qkv_bias,
-        qk_layernorm=config.qk_layernorm,
-        add_bias_linear=config.add_proj_bias or config.add_mlp_bias,
-        hidden_dropout=config.hidden_dropout,
-        attention_dropout=config.attention_dropout,
-        init_method_std=config.init_method_std,
-        window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
-        apply_query_key_layer_scaling=False,
-        use_legacy_models=False,
-        transformer_impl="local",
-        ckpt_format="torch",
-        hf_config=dict(config.hf_config),
-        hf_megatron_version=_version(),
-    )
-    args.update(extra)
+
+@dataclass
+class Layout:
+    """What a writer knows beyond the model config."""
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    dp: int = 1
+    cp: int = 1
+    params_dtype: torch.dtype = torch.float32
+    seq_length: int | None = None  # None: max_position_embeddings (a converted model has no training length)
+    sequence_parallel: bool = False
+    tokenizer: dict[str, Any] = field(default_factory=lambda: {"tokenizer_type": "NullTokenizer"})
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    has_optimizer: bool = False
+    has_rng: bool = False
+
+
+_LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
+
+
+def _seq_length(c: ModelConfig, l: Layout) -> int:
+    return l.seq_length or c.max_position_embeddings
+
+
+def _rope(c: ModelConfig) -> dict:
+    return c.rope_scaling or {}
+
+
+_Value = Callable[[ModelConfig, Layout], Any]
+# Megatron-LM argument name -> its value for a model config and a layout
+FIELDS: dict[str, _Value] = {
+    # ---- model shape (load_args_from_checkpoint; check_checkpoint_args compares the first three)
+    "num_layers": lambda c, l: c.num_layers,
+    "hidden_size": lambda c, l: c.hidden_size,
+    "num_attention_heads": lambda c, l: c.num_attention_heads,
+    "ffn_hidden_size": lambda c, l: c.ffn_hidden_size,
+    "num_query_groups": lambda c, l: c.num_query_groups,
+    "group_query_attention": lambda c, l: c.num_query_groups != c.num_attention_heads,
+    "kv_channels": lambda c, l: c.kv_channels,
+    "max_position_embeddings": lambda c, l: c.max_position_embeddings,
+    # validate_args: seq_length is copied to encoder_seq_length (Megatron-LM's own files hold both)
+    "seq_length": _seq_length,
+    "encoder_seq_length": _seq_length,
+    # ---- vocabulary (padded rows are in the embedding / output tensors)
+    "vocab_size": lambda c, l: c.vocab_size,
+    "padded_vocab_size": lambda c, l: c.padded_vocab_size(l.tp),
+    "make_vocab_size_divisible_by": lambda c, l: c.make_vocab_size_divisible_by,
+    # ---- positions
+    "position_embedding_type": lambda c, l: c.position_embedding_type,
+    # validate_args refuses add_position_embedding=False unless rope
+    "add_position_embedding": lambda c, l: c.position_embedding_type == "learned_absolute",
+    "use_rotary_position_embeddings": lambda c, l: c.position_embedding_type == "rope",
+    "rotary_base": lambda c, l: c.rotary_base,
+    "rotary_percent": lambda c, l: c.rotary_percent,
+    "rotary_interleaved": lambda c, l: False,
+    "use_rope_scaling": lambda c, l: _rope(c).get("rope_type") == "llama3",
+    "rope_scaling_factor": lambda c, l: _rope(c).get("factor", 8.0),
+    # ---- blocks
+    "normalization": lambda c, l: c.normalization,
+    "norm_epsilon": lambda c, l: c.norm_epsilon,
+    "layernorm_epsilon": lambda c, l: c.norm_epsilon,  # the name before megatron-core
+    "apply_layernorm_1p": lambda c, l: c.layernorm_zero_centered_gamma,  # Megatron-LM's (1 + w) norms
+    "qk_layernorm": lambda c, l: c.qk_layernorm,
+    "swiglu": lambda c, l: c.activation == "swiglu",
+    "squared_relu": lambda c, l: False,
+    "openai_gelu": lambda c, l: c.activation == "gelu_tanh",
+    "bias_gelu_fusion": lambda c, l: c.activation == "gelu_tanh" and (c.add_proj_bias or c.add_mlp_bias),
+    "bias_swiglu_fusion": lambda c, l: False,
+    "add_bias_linear": lambda c, l: c.add_proj_bias or c.add_mlp_bias,
+    "add_qkv_bias": lambda c, l: c.add_qkv_bias,
+    "untie_embeddings_and_output_weights": lambda c, l: not c.tie_word_embeddings,
+    "apply_query_key_layer_scaling": lambda c, l: False,
+    "hidden_dropout": lambda c, l: c.hidden_dropout,
+    "attention_dropout": lambda c, l: c.attention_dropout,
+    "init_method_std": lambda c, l: c.init_method_std,
+    "window_size": lambda c, l: (c.sliding_window - 1, 0) if c.sliding_window else None,
+    "num_experts": lambda c, l: None,
+    # ---- precision (tools/checkpoint loader copies fp16 / bf16; validate_args derives params_dtype)
+    "fp16": lambda c, l: l.params_dtype == torch.float16,
+    "bf16": lambda c, l: l.params_dtype == torch.bfloat16,
+    "params_dtype": lambda c, l: l.params_dtype,
+    # ---- parallel layout (use_mp_args_from_checkpoint_args; the saver reads sequence_parallel)
+    "tensor_model_parallel_size": lambda c, l: l.tp,
+    "pipeline_model_parallel_size": lambda c, l: l.pp,
+    "virtual_pipeline_model_parallel_size": lambda c, l: l.vpp,
+    "num_layers_per_virtual_pipeline_stage": lambda c, l: c.num_layers // (l.pp * l.vpp) if l.vpp else None,
+    "expert_model_parallel_size": lambda c, l: 1,
+    "context_parallel_size": lambda c, l: l.cp,
+    "data_parallel_size": lambda c, l: l.dp,
+    "world_size": lambda c, l: l.tp * l.pp * l.cp * l.dp,
+    "sequence_parallel": lambda c, l: l.sequence_parallel,
+    "data_parallel_random_init": lambda c, l: False,
+    # ---- implementation and format
+    "use_legacy_models": lambda c, l: False,
+    "transformer_impl": lambda c, l: "local",
+    "ckpt_format": lambda c, l: "torch",
+    # ---- tokenizer (load_args_from_checkpoint copies tokenizer_type / tokenizer_model)
+    "tokenizer_type": lambda c, l: l.tokenizer.get("tokenizer_type"),
+    "tokenizer_model": lambda c, l: l.tokenizer.get("tokenizer_model"),
+    "vocab_file": lambda c, l: l.tokenizer.get("vocab_file"),
+    "merge_file": lambda c, l: l.tokenizer.get("merge_file"),
+    # ---- training state (load_checkpoint reads the data position from args)
+    "iteration": lambda c, l: l.iteration,
+    "consumed_train_samples": lambda c, l: l.consumed_train_samples,
+    "consumed_valid_samples": lambda c, l: l.consumed_valid_samples,
+    "no_save_optim": lambda c, l: not l.has_optimizer,
+    "no_save_rng": lambda c, l: not l.has_rng,
+}
+
+
+def build_args(config: ModelConfig, layout: Layout | None = None, **entries: Any) -> argparse.Namespace:
+    """The `args` of a checkpoint: FIELDS for `config` and `layout`, then ours, then `entries`.
+    Entries naming a Layout field (tp=2, params_dtype=torch.bfloat16, ...) set it in the
+    layout; the others are stored as they are, except None, which leaves the table's value."""
+    layout = dataclasses.replace(layout or Layout(), **{k: v for k, v in entries.items() if k in _LAYOUT_FIELDS})
+    extra = {k: v for k, v in entries.items() if k not in _LAYOUT_FIELDS}
+    args = {name: value(config, layout) for name, value in FIELDS.items()}
+    args.update(hf_config=dict(config.hf_config), hf_megatron_version=_version())
+    args.update({k: v for k, v in extra.items() if v is not None or k not in args})
     return argparse.Namespace(**args)
+
+
+def tokenizer_args(folder: str | Path | None, location: str | Path | None = None) -> dict[str, Any]:
+    """Megatron-LM's tokenizer arguments for the HF tokenizer files in `folder`, naming them at
+    `location` (where they will be read from; default `folder`):
+
+        GPT-2's byte-level BPE (vocab.json + merges.txt with <|endoftext|>)
+                                    GPT2BPETokenizer, vocab_file, merge_file
+        any other HF tokenizer      HuggingFaceTokenizer, tokenizer_model = the folder
+        none                        NullTokenizer (Megatron-LM's "ids only"; it reads vocab_size)
+    """
+    folder = Path(folder) if folder else None
+    if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return {"tokenizer_type": "NullTokenizer"}
+    location = Path(location or folder).absolute()
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    if vocab.is_file() and merges.is_file() and _has_endoftext(vocab):
+        return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(location / vocab.name),
+                "merge_file": str(location / merges.name)}
+    return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(location)}
+
+
+def _has_endoftext(vocab: Path) -> bool:
+    """Megatron-LM's GPT2BPETokenizer takes its end-of-document id from '<|endoftext|>'."""
+    try:
+        return "<|endoftext|>" in json.loads(vocab.read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _version() -> str:

@@ -43,6 +43,14 @@ _TE_NORMS = [
 ]
 
 
+def local_to_te_name(name: str) -> str:
+    """The separate-norm name -> TransformerEngine's fused-norm name (torch_dist's sharded keys)."""
+    for te, local in _TE_NORMS:
+        if name.endswith(local):
+            return name[: -len(local)] + te
+    return name
+
+
 def te_to_local_name(name: str) -> str:
     for te, local in _TE_NORMS:
         if name.endswith(te):
@@ -99,3 +107,54 @@ def model_state_to_mcore(model_state: dict, checkpoint_version: float, local_hea
             tensor = fix_qkv_ordering(tensor, checkpoint_version, local_heads)
         out[new] = tensor
     return out
+
+
+# megatron-core name -> the legacy name older readers take (transformers' GPT-2 script,
+# Megatron-DeepSpeed): `*layernorm` norms, as before Megatron-LM renamed them `*_norm`
+_TO_LEGACY = [
+    (r"^embedding\.", "language_model.embedding."),
+    (r"^decoder\.final_layernorm\.", "language_model.encoder.final_layernorm."),
+    (r"^decoder\.layers\.", "language_model.encoder.layers."),
+    (r"^output_layer\.", "language_model.output_layer."),
+    (r"\.self_attention\.linear_qkv\.", ".self_attention.query_key_value."),
+    (r"\.self_attention\.linear_proj\.", ".self_attention.dense."),
+    (r"\.pre_mlp_layernorm\.", ".post_attention_layernorm."),
+    (r"\.mlp\.linear_fc1\.", ".mlp.dense_h_to_4h."),
+    (r"\.mlp\.linear_fc2\.", ".mlp.dense_4h_to_h."),
+]
+# submodules the legacy model keeps as nested state dicts (the rest of a part is one flat dict)
+_NESTED = ("language_model.embedding.word_embeddings.", "language_model.embedding.position_embeddings.",
+           "language_model.output_layer.")
+
+
+def mcore_to_legacy_name(name: str) -> str:
+    if ".q_layernorm." in name or ".k_layernorm." in name:
+        raise ValueError(f"{name}: legacy Megatron models have no q/k layernorm")
+    for pattern, replacement in _TO_LEGACY:
+        name = re.sub(pattern, replacement, name)
+    return name
+
+
+def mcore_to_legacy(state: dict[str, torch.Tensor]) -> dict:
+    """One chunk's mcore state dict -> the nested legacy `model` entry:
+
+        {"language_model": {"embedding": {"word_embeddings": {"weight"}, "position_embeddings": {...}},
+                            "encoder": {"layers.0.input_layernorm.weight": ..., ..., "final_layernorm.weight"},
+                            "output_layer": {"weight"}}}
+
+    Layers come before the final norm (the GPT-2 script stops at the first non-layer key).  The
+    QKV rows stay in the (np, 3, hn) order of checkpoint_version >= 2."""
+    ordered = sorted(state.items(), key=lambda item: ".final_layernorm." in item[0])
+    model: dict = {}
+    for name, tensor in ordered:
+        legacy = mcore_to_legacy_name(name)
+        nested = next((prefix for prefix in _NESTED if legacy.startswith(prefix)), None)
+        if nested:
+            parts = nested.rstrip(".").split(".") + [legacy[len(nested):]]
+        else:  # language_model.<part>.<flat key>
+            parts = legacy.split(".", 2)
+        node = model
+        for key in parts[:-1]:
+            node = node.setdefault(key, {})
+        node[parts[-1]] = tensor
+    return model

@@ -8,6 +8,8 @@ are already concatenated; vocab tables keep their padding; SwiGLU fc1 is [gate; 
 keys `..._w` / `..._v` when saved with singleton local shards).  `get` reads just the slice of
 one layer (a LoadPlan for that chunk), without a process group.
 
+`write_torch_dist` writes this format from full tensors (converter output `--ckpt-format torch_dist`).
+
 Common state (args, iteration, checkpoint_version) comes from `common.pt`, or -- the other
 layout -- from byte entries inside the DCP files.  Nothing is unpickled as code: `.metadata`
 goes through an unpickler that knows exactly the classes torch.distributed.checkpoint writes
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import io
+import json
 import pathlib
 import re
 from pathlib import Path
@@ -26,16 +29,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem, metadata as dcp_metadata, planner as dcp_planner
 from torch.distributed.checkpoint.api import CheckpointException as DCPFailure
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..errors import CheckpointError
-from ..parallel.sharding import VOCAB_PARAMS
-from .legacy import te_to_local_name
+from ..parallel.sharding import VOCAB_PARAMS, pad_vocab
+from .args import build_args, config_from_args
 from .checksums import verify_folder
+from .files import save_atomic, write_text_atomic
+from .legacy import local_to_te_name, te_to_local_name
+from .names import LAYER
 from .reader import ARGS, CheckpointReader, checkpoint_version, config_of, info_entries, vocab_rows_ok
 from .shapes import check_tensor
 from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
+from .writer import CHECKPOINT_VERSION, params_dtype
 
 _LAYERS = "decoder.layers."
 _MODEL_PREFIX = re.compile(r"^model\d*\.")
@@ -214,3 +221,69 @@ def _causes(exc: BaseException):
         todo += [e.__cause__, e.__context__]
         if isinstance(e, DCPFailure):  # rank -> (exception, traceback)
             todo += [failure[0] for failure in e.failures.values()]
+
+
+# ---------------------------------------------------------------- writing
+
+# metadata.json: megatron-core's CheckpointingConfig (dist_checkpointing/core.py)
+CHECKPOINTING_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                        "common_backend": "torch", "common_backend_version": 1}
+
+
+# the linear layers whose (empty, for megatron-core's local layers) `_extra_state` megatron-core
+# saves as one ShardedObject per layer: bytes entry `<key>._extra_state/shard_<layer>_<L>`
+_EXTRA_STATE_OWNERS = re.compile(r"^((self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12]))\.weight$")
+
+
+def sharded_key(name: str) -> tuple[str, int | None]:
+    """Full name -> (megatron-core's sharded key, layer): `decoder.layers.7.mlp.linear_fc1.weight`
+    is row 7 of `decoder.layers.mlp.linear_fc1.weight` [L, ...]; other names are their own key.
+    Norms take TransformerEngine's fused names, as megatron-core's local layers also save them."""
+    match = LAYER.match(name)
+    if not match:
+        return name, None
+    return local_to_te_name(f"{_LAYERS}{match.group(2)}"), int(match.group(1))
+
+
+
+
+def write_torch_dist(iter_dir: Path, config, source, tp: int = 1, pp: int = 1, iteration: int | str = "release",
+                     args: dict | None = None) -> None:
+    """Write the full tensors of `source` (writer.Source) as megatron-core's torch_dist folder:
+
+        iter_dir/.metadata, __0_0.distcp     torch.distributed.checkpoint, one entry per sharded key:
+                                             per-layer tensors stacked on a leading layer axis [L, ...],
+                                             TP shards merged, vocab tables padded for `tp`;
+                                             the linear layers' empty `_extra_state` objects
+        iter_dir/common.pt                   args (ckpt_format torch_dist), iteration, checkpoint_version
+        iter_dir/metadata.json               the backends (CHECKPOINTING_CONFIG)
+
+    Any TP/PP layout loads it (megatron-core reads each rank's boxes); `tp`/`pp` are recorded in
+    args and set the vocab padding.  Memory: the whole model, once (DCP plans one save)."""
+    layers: dict[str, list] = {}
+    state: dict[str, torch.Tensor | list] = {}
+    for name, tensor in source(range(config.num_layers)):
+        key, layer = sharded_key(name)
+        if layer is None:
+            state[key] = pad_vocab(tensor, config.padded_vocab_size(tp)) if name in VOCAB_PARAMS else tensor
+        else:
+            layers.setdefault(key, [None] * config.num_layers)[layer] = tensor
+            owner = _EXTRA_STATE_OWNERS.match(key[len(_LAYERS):])
+            if owner:
+                # megatron-core's bytes: torch.save of the list of the objects' data (DCP saves it)
+                state[f"{_LAYERS}{owner.group(1)}._extra_state/shard_{layer}_{config.num_layers}"] = [None]
+    for key, per_layer in layers.items():
+        missing = [i for i, t in enumerate(per_layer) if t is None]
+        if missing:
+            raise CheckpointError(f"{iter_dir}: the source gave no {key} for layers {missing[:4]}")
+        state[key] = torch.stack(per_layer)
+    del layers
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=filesystem.FileSystemWriter(str(iter_dir)), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))  # the [None] lists stay whole entries
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    megatron_args = build_args(config, **{"params_dtype": params_dtype([tensors]), **(args or {})}, tp=tp, pp=pp,
+                               iteration=0 if iteration == "release" else iteration, ckpt_format="torch_dist")
+    save_atomic({"args": megatron_args, "checkpoint_version": CHECKPOINT_VERSION,
+                 "iteration": 0 if iteration == "release" else iteration}, iter_dir / "common.pt")
+    write_text_atomic(iter_dir / "metadata.json", json.dumps(CHECKPOINTING_CONFIG))

@@ -14,6 +14,7 @@ renumbered from 0 in its file.  The first chunk owns the embedding; the last own
 norm and output layer -- for tied embeddings too when it lacks the embedding (Megatron keeps a
 copy there).  `write_megatron` writes one rank at a time: memory is one rank's shard plus one
 full tensor (the source is asked again for every rank; sources are lazy readers).
+`legacy_names` writes each chunk in Megatron-LM's pre-mcore nested layout (legacy.mcore_to_legacy).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from ..errors import ParallelConfigError
 from ..parallel.sharding import split_tensor, stage_layers
 from .args import build_args
 from .files import MODEL_FILE, rank_dir_name, save_atomic
+from .legacy import mcore_to_legacy
 from .names import LAYER, model_keys
 
 CHECKPOINT_VERSION = 3.0
@@ -49,6 +51,12 @@ def write_rank_file(rank_dir: Path, payload: dict[str, Any]) -> Path:
     rank_dir.mkdir(parents=True, exist_ok=True)
     save_atomic(payload, rank_dir / MODEL_FILE)
     return rank_dir / MODEL_FILE
+
+
+def params_dtype(states: Iterable[dict[str, torch.Tensor]]) -> torch.dtype:
+    """The dtype of the first floating-point tensor of some state dicts (fp32 if none)."""
+    return next((t.dtype for state in states for t in state.values()
+                 if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.float32)
 
 
 def check_layout(config, tp: int, pp: int, vpp: int | None) -> None:
@@ -102,17 +110,28 @@ def chunk_state(source: Source, config, tp: int, tp_rank: int, layers: range,
 
 
 def write_megatron(iter_dir: Path, config, source: Source, tp: int, pp: int, vpp: int | None = None,
-                   iteration: int | str = "release", args: dict | None = None, extra: dict | None = None) -> None:
-    """Write every rank's model_optim_rng.pt under `iter_dir` (no tracker file: caller's job)."""
+                   iteration: int | str = "release", args: dict | None = None, extra: dict | None = None,
+                   legacy_names: bool = False) -> None:
+    """Write every rank's model_optim_rng.pt under `iter_dir` (no tracker file: caller's job).
+    `legacy_names`: model entries in the nested `language_model.*` layout (legacy.mcore_to_legacy)."""
+    if legacy_names:
+        if config.qk_layernorm:
+            raise ParallelConfigError("--legacy-names: legacy Megatron models have no q/k layernorm (Qwen3)")
+        args = {"use_legacy_models": True, **(args or {})}
     check_layout(config, tp, pp, vpp)
     chunks = vpp or 1
-    megatron_args = build_args(config, tp=tp, pp=pp, vpp=vpp if chunks > 1 else None,
-                               iteration=0 if iteration == "release" else iteration, **(args or {}))
+    megatron_args = None
     for stage in range(pp):
         for tp_rank in range(tp):
             states = [chunk_state(source, config, tp, tp_rank, chunk_layers(config, pp, chunks, stage, chunk),
                                   pre=stage == 0 and chunk == 0, post=stage == pp - 1 and chunk == chunks - 1)
                       for chunk in range(chunks)]
+            if megatron_args is None:  # the stored dtype is Megatron's params_dtype (fp16 / bf16 flags)
+                megatron_args = build_args(config, **{"params_dtype": params_dtype(states), **(args or {})},
+                                           tp=tp, pp=pp, vpp=vpp if chunks > 1 else None,
+                                           iteration=0 if iteration == "release" else iteration)
+            if legacy_names:
+                states = [mcore_to_legacy(chunk) for chunk in states]
             write_rank_file(iter_dir / rank_dir_name(tp_rank, stage, pp),
                             rank_payload(states, megatron_args, iteration, extra))
             del states

@@ -32,6 +32,7 @@ def add_parser(subparsers) -> None:
     to_megatron.add_argument("--dtype", default=None, help="store weights as fp32 | bf16 | fp16 (default: as is)")
     to_megatron.add_argument("--verify", action="store_true", help="compare logits of source and result")
     add_checksum_flag(to_megatron)
+    add_output_format_flags(to_megatron)
     to_megatron.set_defaults(func=run_to_megatron)
 
     to_hf = directions.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF folder (safetensors)")
@@ -57,6 +58,16 @@ def apply_checksum_flag(args) -> None:
     set_checksums(False if args.no_checkpoint_checksums else None)
 
 
+def add_output_format_flags(parser) -> None:
+    """How a Megatron output is written (hf-to-megatron, reshard)."""
+    parser.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
+                        help="torch: mp_rank_* rank files (default); torch_dist: megatron-core's distributed "
+                             "checkpoint (torch.distributed.checkpoint), loadable at any TP/PP")
+    parser.add_argument("--legacy-names", action="store_true",
+                        help="torch format with Megatron-LM's pre-mcore names (language_model.encoder...), "
+                             "for older readers such as transformers' convert_megatron_gpt2_checkpoint.py")
+
+
 def _print_report(report: dict) -> None:
     if "verify" in report:
         print(report["verify"])
@@ -68,7 +79,8 @@ def _print_report(report: dict) -> None:
 def run_to_megatron(args) -> int:
     from hf_megatron.conversion.convert import hf_to_megatron
     apply_checksum_flag(args)
-    _print_report(hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.verify))
+    _print_report(hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.verify,
+                                 args.ckpt_format, args.legacy_names))
     return 0
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .convert import add_checksum_flag
+from .convert import add_checksum_flag, add_output_format_flags
 
 
 def add_parser(subparsers) -> None:
@@ -22,6 +22,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
     add_checksum_flag(parser)
+    add_output_format_flags(parser)
     parser.set_defaults(func=run)
 
 
@@ -29,5 +30,6 @@ def run(args) -> int:
     from hf_megatron.commands.convert import _print_report, apply_checksum_flag
     apply_checksum_flag(args)
     from hf_megatron.conversion.convert import reshard
-    _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify))
+    _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify, args.ckpt_format,
+                          args.legacy_names))
     return 0

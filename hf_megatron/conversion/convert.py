@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from ..architectures import hf_to_mcore
+from ..checkpoint.args import tokenizer_args
 from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
 from ..checkpoint.load import open_megatron
 from ..checkpoint.names import layer_index
+from ..checkpoint.torch_dist import write_torch_dist
 from ..checkpoint.writer import write_megatron
 from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
@@ -43,25 +45,49 @@ def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
+CKPT_FORMATS = ("torch", "torch_dist")  # Megatron-LM's --ckpt-format names
+
+
+def check_output_format(ckpt_format: str, legacy_names: bool, vpp: int | None) -> None:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ConfigError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, got {ckpt_format!r}")
+    if ckpt_format == "torch_dist" and (legacy_names or vpp):
+        raise ConfigError("--ckpt-format torch_dist: one folder for every layout, megatron-core names; "
+                          "--legacy-names and --vpp apply to the torch format only")
+
+
+def _write_output(iter_dir: Path, config, source, tp: int, pp: int, vpp: int | None, iteration, args: dict,
+                  extra: dict | None, ckpt_format: str, legacy_names: bool) -> None:
+    if ckpt_format == "torch_dist":
+        write_torch_dist(iter_dir, config, source, tp, pp, iteration, args)
+    else:
+        write_megatron(iter_dir, config, source, tp, pp, vpp, iteration, args, extra, legacy_names=legacy_names)
+
+
 def _finish_megatron(staging: StagingDir, iteration) -> None:
     write_text_atomic(staging.path / TRACKER, str(iteration))
 
 
 def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                   dtype: str | None = None, verify: bool = False) -> dict[str, Any]:
+                   dtype: str | None = None, verify: bool = False, ckpt_format: str = "torch",
+                   legacy_names: bool = False) -> dict[str, Any]:
+    check_output_format(ckpt_format, legacy_names, vpp)
     source_ckpt = HFCheckpoint(hf)
     config = source_ckpt.model_config()
     source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
     generation = source_ckpt.path / "generation_config.json"
     args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}
+    # Megatron-LM's tokenizer args name the copy in <out>/tokenizer
+    args["tokenizer"] = tokenizer_args(source_ckpt.path, Path(out).absolute() / TOKENIZER_SUBDIR)
 
     def source(layers):
         return ((n, _cast(t, target)) for n, t in hf_to_mcore(source_ckpt.get, config, layers))
 
     report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp}
     with StagingDir(out) as staging:
-        write_megatron(staging.path / iter_dir_name("release"), config, source, tp, pp, vpp, "release", args)
+        _write_output(staging.path / iter_dir_name("release"), config, source, tp, pp, vpp, "release", args, None,
+                      ckpt_format, legacy_names)
         tokenizer_dir = staging.path / TOKENIZER_SUBDIR
         tokenizer_dir.mkdir()
         report["tokenizer_files"] = copy_tokenizer(source_ckpt.path, tokenizer_dir)
@@ -128,8 +154,10 @@ def training_info(ckpt) -> dict[str, Any]:
 
 
 def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
-            verify: bool = False) -> dict[str, Any]:
-    """Re-split model weights to a new layout (optimizer state is not carried over)."""
+            verify: bool = False, ckpt_format: str = "torch", legacy_names: bool = False) -> dict[str, Any]:
+    """Re-split model weights to a new layout (optimizer state is not carried over); the output
+    in Megatron's torch format (optionally with legacy names) or torch_dist."""
+    check_output_format(ckpt_format, legacy_names, vpp)
     ckpt = open_megatron(src)
     names = ckpt.names()
 
@@ -143,14 +171,20 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
     extra = {k: v for k, v in ckpt.info.items()
              if k not in ("args", "checkpoint_version", "iteration", "opt_param_scheduler")}
     keep = {k: getattr(ckpt.args, k) for k in ("hf_generation_config", "consumed_train_samples",
-                                                 "consumed_valid_samples") if hasattr(ckpt.args, k)}
+                                                 "consumed_valid_samples", "seq_length") if hasattr(ckpt.args, k)}
+    tokenizer_src = _megatron_root(Path(src)) / TOKENIZER_SUBDIR
+    keep["tokenizer"] = tokenizer_args(tokenizer_src, Path(out).absolute() / TOKENIZER_SUBDIR)
+    if keep["tokenizer"]["tokenizer_type"] == "NullTokenizer":  # no files to copy: what the source named
+        keep["tokenizer"] = {k: getattr(ckpt.args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file",
+                                                                 "merge_file") if getattr(ckpt.args, k, None)} \
+            or keep["tokenizer"]
     report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp, "iteration": ckpt.iteration}
     with StagingDir(out) as staging:
-        write_megatron(staging.path / iter_dir_name(ckpt.iteration), ckpt.config, source, tp, pp, vpp,
-                       ckpt.iteration, keep, extra)
+        _write_output(staging.path / iter_dir_name(ckpt.iteration), ckpt.config, source, tp, pp, vpp,
+                      ckpt.iteration, keep, extra, ckpt_format, legacy_names)
         tokenizer_dir = staging.path / TOKENIZER_SUBDIR
         tokenizer_dir.mkdir()
-        copy_tokenizer(_megatron_root(Path(src)) / TOKENIZER_SUBDIR, tokenizer_dir)
+        copy_tokenizer(tokenizer_src, tokenizer_dir)
         _finish_megatron(staging, ckpt.iteration)
         if verify:
             ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)

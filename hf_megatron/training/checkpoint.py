@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import rng
 from ..checkpoint.args import build_args
 from ..checkpoint.files import (MODEL_FILE, TRACKER, StagingDir, iter_dir_name, optim_file_name, rank_dir_name,
                                 resolve_iteration_dir, save_atomic, saved_layout, write_text_atomic)
@@ -70,32 +69,14 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
 # ------------------------------------------------------------------ RNG
 
 def get_rng_state() -> dict[str, Any]:
-    np_name, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
-    rng = {
-        "random_rng_state": random.getstate(),
-        # numpy's key array is kept as a tensor so the file loads with weights_only=True
-        "np_rng_state": (np_name, torch.from_numpy(np_keys.astype(np.int64)), np_pos, np_gauss, np_cached),
-        "torch_rng_state": torch.get_rng_state(),
-        "rng_tracker_states": get_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        rng["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return rng
+    """This process's RNG entry in Megatron-LM's layout (hf_megatron.checkpoint.rng)."""
+    return rng.capture(get_tracker().get_states(), state.get_state().coords["tp"])
 
 
-def set_rng_state(rng: dict[str, Any]) -> None:
-    """Restore what `get_rng_state` saved.  From a Megatron-LM file, parts we cannot use (its
-    numpy array arrives as an inert stand-in, its tracker holds CUDA streams by other names)
-    are skipped rather than guessed."""
-    random.setstate(rng["random_rng_state"])
-    name, keys, pos, gauss, cached = rng["np_rng_state"]
-    if isinstance(keys, torch.Tensor):
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, gauss, cached))
-    torch.set_rng_state(rng["torch_rng_state"])
-    if torch.cuda.is_available() and rng.get("cuda_rng_state") is not None:
-        torch.cuda.set_rng_state(rng["cuda_rng_state"])
-    tracker_states = rng.get("rng_tracker_states") or {}
-    if "cpu" in tracker_states:
+def set_rng_state(entry: dict[str, Any]) -> None:
+    """Restore what `get_rng_state` saved (or an older file of ours, or Megatron-LM's)."""
+    tracker_states = rng.restore(entry)
+    if tracker_states:
         get_tracker().set_states(tracker_states)
 
 
@@ -114,6 +95,20 @@ def _keep_recorded(previous: Path, extra: dict[str, Any], args: dict[str, Any]) 
         args[key] = getattr(old_args, key, None)
 
 
+def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+    """What the args table needs to know about this run (hf_megatron.checkpoint.args.Layout)."""
+    st = state.get_state()
+    params = [p for m in chunks for p in m.parameters() if p.is_floating_point()]
+    layout = dict(tp=st.tp, pp=st.pp, vpp=len(chunks) if len(chunks) > 1 else None, dp=st.dp, cp=st.cp,
+                  iteration=iteration, params_dtype=params[0].dtype if params else torch.float32,
+                  sequence_parallel=any(getattr(mod, "sequence_parallel", False) for m in chunks for mod in m.modules()),
+                  has_optimizer=optimizer is not None, has_rng=True)
+    for key in ("consumed_train_samples", "consumed_valid_samples"):  # Megatron-LM reads them from args
+        if isinstance(extra.get(key), int):
+            layout[key] = extra[key]
+    return layout
+
+
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
@@ -123,7 +118,6 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     `extra` / `args` given as None keep the value the earlier save recorded."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
-    st = state.get_state()
     final = Path(save_dir) / iter_dir_name(iteration)
     is_first = not _distributed() or dist.get_rank() == 0
     staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
@@ -136,8 +130,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     if dp_rank == 0 and cp_rank == 0:
         extra, args = dict(extra or {}), dict(args or {})
         _keep_recorded(final / rank_dir.name / MODEL_FILE, extra, args)
-        megatron_args = build_args(chunks[0].config, tp=st.tp, pp=st.pp, vpp=len(chunks) if len(chunks) > 1 else None,
-                                   dp=st.dp, context_parallel_size=st.cp, iteration=iteration, **args)
+        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args})
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
                                optimizer=None if per_dp else optim_state,
