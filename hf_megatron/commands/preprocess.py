@@ -3,7 +3,9 @@
     hf-megatron preprocess --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2 --append-eod --workers 8
 
-writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).  With
+writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).  With --sft and
+--json-keys prompt response (or --json-keys messages, a chat list) it writes one token dataset
+data/corpus_sft_document plus a parallel loss mask data/corpus_sft_document_loss_mask.  With
 --train-tokenizer {bpe,sentencepiece} --vocab-size N a new tokenizer is first trained on the
 input and saved to --tokenizer-model (a directory for bpe, a .model file for sentencepiece).
 """
@@ -25,6 +27,10 @@ def add_parser(subparsers) -> None:
                             "or a datasets dir saved with save_to_disk; globs allowed")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenise (default: text)")
     group.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    group.add_argument("--sft", action="store_true",
+                       help="SFT data: --json-keys PROMPT RESPONSE (or one chat MESSAGES field, rendered with the "
+                            "tokenizer's chat template, assistant turns scored) -> {prefix}_sft_document plus its "
+                            "loss mask {prefix}_sft_document_loss_mask (for `train --sft`)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True,
                        choices=["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -75,7 +81,7 @@ def run(args) -> int:
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
-        split=args.split, progress=not args.no_progress))
+        split=args.split, progress=not args.no_progress, sft=args.sft))
     for key, prefix in stats["outputs"].items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"{stats['documents']} documents, {stats['tokens']} tokens ({stats['dtype']}) in "

@@ -8,6 +8,11 @@ crash leaves only a temporary folder behind (final files are renamed into place 
 One document per record: the record's text for each key is tokenised (special tokens as the
 tokenizer adds them); with ``append_eod`` the end-of-document id is appended to non-empty
 documents.  A document is one sequence (Megatron-LM's document level, no sentence splitting).
+
+With ``sft`` the keys are PROMPT RESPONSE (or one chat MESSAGES field) and the output is one
+token dataset ``{output_prefix}_sft_document`` plus its loss mask ``..._sft_document_loss_mask``
+(uint8, 1 = response token), an indexed dataset with the same documents and sequence lengths
+(sft_records.py says how the mask is made; sft.py reads both).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, optimal_dtype
+from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
 from .sources import expand_inputs, plan_chunks, read_chunk
 from .tokenizers import build_tokenizer
 
@@ -43,10 +49,22 @@ class PreprocessOptions:
     partitions: int = 1
     split: str | None = None
     progress: bool = True
+    sft: bool = False
+
+
+SFT_NAME, SFT_MASK = "sft", "sft_loss_mask"
 
 
 def output_prefix_for(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
+
+
+def _channels(options: PreprocessOptions, dtype_name: str) -> list[tuple[str, str, str]]:
+    """(name, final prefix, dtype) of each indexed dataset written: one per key, or SFT tokens + mask."""
+    if options.sft:
+        tokens = output_prefix_for(options.output_prefix, SFT_NAME)
+        return [(SFT_NAME, tokens, dtype_name), (SFT_MASK, loss_mask_prefix(tokens), "uint8")]
+    return [(key, output_prefix_for(options.output_prefix, key), dtype_name) for key in options.json_keys]
 
 
 def _tokenizer_of(options: PreprocessOptions):
@@ -64,17 +82,31 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
     index, chunk, part_prefix, dtype_name = job
     tokenizer, options = _worker_state["tokenizer"], _worker_state["options"]
     keys = options.json_keys
-    writers = {k: IndexedDatasetWriter(f"{part_prefix}_{k}", np.dtype(dtype_name)) for k in keys}
+    writers = {name: IndexedDatasetWriter(f"{part_prefix}_{name}", np.dtype(dtype))
+               for name, _, dtype in _channels(options, dtype_name)}
     docs = nbytes = ntokens = 0
     batch: list[dict] = []
 
+    def add(writer, ids) -> None:
+        writer.add_document(ids, [len(ids)] if len(ids) else [])
+
     def flush():
         nonlocal ntokens
+        if options.sft:
+            unit = "byte" if chunk[0] in ("json", "text") else "row"
+            encoded = encode_sft_batch(tokenizer, batch, keys, options.append_eod,
+                                       f"{chunk[1]}: chunk from {unit} {chunk[2]}", docs - len(batch))
+            for ids, mask in encoded:
+                add(writers[SFT_NAME], ids)
+                add(writers[SFT_MASK], mask)
+                ntokens += len(ids)
+            batch.clear()
+            return
         for key in keys:
             for ids in tokenizer.tokenize_batch([str(doc[key]) for doc in batch]):
                 if ids and options.append_eod:
                     ids = list(ids) + [tokenizer.eod]
-                writers[key].add_document(ids, [len(ids)] if ids else [])
+                add(writers[key], ids)
                 ntokens += len(ids)
         batch.clear()
 
@@ -110,6 +142,8 @@ def preprocess(options: PreprocessOptions) -> dict:
     if options.workers < 1 or options.partitions < 1:
         raise ConfigError("--workers and --partitions must be >= 1")
     tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
+    if options.sft:
+        check_sft_keys(tokenizer, options.json_keys)
     if options.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
                          "end-of-document (eos) token")
@@ -149,13 +183,11 @@ def preprocess(options: PreprocessOptions) -> dict:
             pool.join()
             pool = None
         outputs = {}
-        for key in options.json_keys:
-            final = output_prefix_for(options.output_prefix, key)
-            parts = [f"{job[2]}_{key}" for job in jobs]
-            with IndexedDatasetWriter(final, np.dtype(dtype_name)) as writer:
-                for part in parts:
-                    writer.add_index(part)
-            outputs[key] = final
+        for name, final, dtype in _channels(options, dtype_name):
+            with IndexedDatasetWriter(final, np.dtype(dtype)) as writer:
+                for job in jobs:
+                    writer.add_index(f"{job[2]}_{name}")
+            outputs[name] = final
     finally:
         if pool is not None:
             pool.terminate()
