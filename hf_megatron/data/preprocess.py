@@ -27,7 +27,7 @@ import numpy as np
 from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
-from .sources import expand_inputs, plan_chunks, read_chunk
+from .sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
 from .tokenizers import build_tokenizer
 
 BATCH_DOCS = 256
@@ -50,6 +50,10 @@ class PreprocessOptions:
     split: str | None = None
     progress: bool = True
     sft: bool = False
+    hf_dataset: str | None = None   # datasets.load_dataset inputs (hub.py), after `inputs`
+    hf_subset: str | None = None
+    hf_split: str = "train"
+    streaming: bool = False
 
 
 SFT_NAME, SFT_MASK = "sft", "sft_loss_mask"
@@ -148,7 +152,8 @@ def preprocess(options: PreprocessOptions) -> dict:
         raise DataError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
                          "end-of-document (eos) token")
     dtype_name = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    paths = expand_inputs(options.inputs)
+    paths = expand_inputs(resolve_sources(options.inputs, options.hf_dataset, options.hf_subset, options.hf_split,
+                                          options.streaming))
     chunks = plan_chunks(paths, max(options.partitions, 4 * options.workers if options.workers > 1 else 1),
                          64 << 20, options.split)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
@@ -157,7 +162,8 @@ def preprocess(options: PreprocessOptions) -> dict:
     os.makedirs(parts_dir, exist_ok=True)
     jobs = [(i, chunk, os.path.join(parts_dir, f"{i:06d}"), dtype_name) for i, chunk in enumerate(chunks)]
     totals = {"documents": 0, "bytes": 0, "tokens": 0}
-    bar = _progress(options, None)
+    known = all(chunk[0] == "hub" for chunk in chunks)  # row ranges: the document count is known
+    bar = _progress(options, sum(chunk[3] - chunk[2] for chunk in chunks) if known else None)
     start = time.perf_counter()
     pool = None
     try:
