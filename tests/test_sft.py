@@ -2,6 +2,7 @@
 the SFT dataset's windows, and the loss it gives, judged by transformers' own loss with
 labels = -100 on the prompt; a poisoned-prompt test shows prompt tokens carry no loss."""
 import json
+import os
 import subprocess
 import sys
 
@@ -147,26 +148,21 @@ def test_poisoned_prompt_tokens_leave_the_loss_unchanged(tmp_path):
     assert abs(pretrain_losses["prompt"] - pretrain_losses["clean"]) > 1e-3
 
 
-def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path):
-    """A chat field rendered with the tokenizer's template; transformers' own
-    `return_assistant_tokens_mask` (the template's {% generation %} blocks) is the reference."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    rng = np.random.default_rng(1)
-    chats = []
-    for i in range(12):
-        turns = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
-        for _ in range(int(rng.integers(1, 4))):
-            turns.append({"role": "user", "content": " ".join(rng.choice(words, int(rng.integers(1, 6))))})
-            turns.append({"role": "assistant", "content": " ".join(rng.choice(words, int(rng.integers(1, 8))))})
-        chats.append(turns)
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """A byte-level BPE with ChatML special tokens and a template whose {% generation %} blocks
+    mark what transformers' `return_assistant_tokens_mask` calls assistant tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe.train_from_iterator(words * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+    bpe.train_from_iterator(WORDS * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
                 "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}"
@@ -175,21 +171,55 @@ def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path):
     fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
                                    additional_special_tokens=specials[1:])
     fast.chat_template = template
-    fast.save_pretrained(tmp_path / "tok")
+    path = tmp_path_factory.mktemp("chat_tok") / "tok"
+    fast.save_pretrained(path)
+    return path
+
+
+def _chat_preprocess(tmp_path, tokenizer, records):
     with open(tmp_path / "chat.jsonl", "w") as out:
-        for turns in chats:
-            out.write(json.dumps({"messages": turns, "id": 1}) + "\n")
+        for record in records:
+            out.write(json.dumps(record) + "\n")
+    return cli.main(["preprocess", "--input", str(tmp_path / "chat.jsonl"), "--output-prefix", str(tmp_path / "chat"),
+                     "--sft", "--json-keys", "messages", "--tokenizer-type", "HuggingFaceTokenizer",
+                     "--tokenizer-model", str(tokenizer), "--no-progress"])
+
+
+def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path, chat_tokenizer):
+    """A chat field rendered with the tokenizer's template; transformers' own
+    `return_assistant_tokens_mask` (the template's {% generation %} blocks) is the reference."""
+    from transformers import AutoTokenizer
+
+    rng = np.random.default_rng(1)
+    chats = []
+    for i in range(12):
+        turns = [{"role": "system", "content": "be brief"}] if i % 3 == 0 else []
+        for _ in range(int(rng.integers(1, 4))):
+            turns.append({"role": "user", "content": " ".join(rng.choice(WORDS, int(rng.integers(1, 6))))})
+            turns.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, int(rng.integers(1, 8))))})
+        chats.append(turns)
+    assert _chat_preprocess(tmp_path, chat_tokenizer, [{"messages": turns, "id": 1} for turns in chats]) == 0
     prefix = str(tmp_path / "chat")
-    assert cli.main(["preprocess", "--input", str(tmp_path / "chat.jsonl"), "--output-prefix", prefix, "--sft",
-                     "--json-keys", "messages", "--tokenizer-type", "HuggingFaceTokenizer",
-                     "--tokenizer-model", str(tmp_path / "tok"), "--no-progress"]) == 0
     tokens, mask = McoreIndexed(prefix + "_sft_document"), McoreIndexed(prefix + "_sft_document_loss_mask")
-    reference = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    reference = AutoTokenizer.from_pretrained(chat_tokenizer)
     for i, turns in enumerate(chats):
         out = reference.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert tokens[i].tolist() == list(out["input_ids"])
         assert mask[i].tolist() == list(out["assistant_masks"])
         assert 0 < sum(out["assistant_masks"]) < len(out["input_ids"])
+
+
+@pytest.mark.parametrize("messages, needle", [
+    ([{"role": "user", "content": "hi"}], "chat.jsonl: chunk from byte 0, record 1: no assistant message"),
+    ("hello", "record 1: expected a non-empty list of chat messages, got str"),
+    ([{"role": "user"}], "record 1: message 0 must be an object with 'role' and 'content'"),
+], ids=["no_assistant", "not_a_list", "no_content"])
+def test_bad_chat_records_are_one_line_errors(tmp_path, chat_tokenizer, capsys, messages, needle):
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert _chat_preprocess(tmp_path, chat_tokenizer, [good, {"messages": messages}]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert needle in err[-1], err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("chat_")]  # nothing half-written
 
 
 def test_train_cli_sft_first_loss_and_validation_are_response_only(tmp_path):
@@ -214,10 +244,8 @@ def test_train_cli_sft_first_loss_and_validation_are_response_only(tmp_path):
     assert valid == pytest.approx(_hf_loss(model, [_hf_labels(r) for r in records[30:]]), abs=6e-5)
 
 
-@pytest.mark.parametrize("case", ["missing_mask", "three_keys", "pack_without_sft"])
+@pytest.mark.parametrize("case", ["missing_mask", "three_keys", "pack_without_sft", "empty_valid"])
 def test_bad_sft_inputs_are_one_line_errors(tmp_path, capsys, case):
-    import os
-
     from hf_megatron.training.config import RunConfig
 
     prefix = _preprocess(tmp_path, "e", _records(5))
@@ -231,6 +259,13 @@ def test_bad_sft_inputs_are_one_line_errors(tmp_path, capsys, case):
                 "--json-keys", "prompt", "response", "id", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"]
         assert cli.main(argv) == 2
         assert "--json-keys takes PROMPT RESPONSE or one chat MESSAGES" in capsys.readouterr().err
-    else:
+    elif case == "pack_without_sft":
         with pytest.raises(ValueError, match=r"--sft-pack\): expected --sft"):
             RunConfig(hf_config="c", data_path=[prefix], sft_pack=True)
+    else:  # 5 records, split 98,1,1: valid and test get none; fine unless samples are asked of them
+        from hf_megatron.data.builder import split_bookends
+        from hf_megatron.data.sft import build_sft_datasets
+        train, valid, test = build_sft_datasets(prefix, split_bookends("98,1,1"), SEQ, 1, (4, None, None), False)
+        assert len(train) == 4 and valid is None and test is None
+        with pytest.raises(ValueError, match="e_sft_document.idx: the valid split has no documents"):
+            build_sft_datasets(prefix, split_bookends("98,1,1"), SEQ, 1, (4, 2, None), False)

@@ -98,8 +98,9 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
         nonlocal ntokens
         if options.sft:
             unit = "byte" if chunk[0] in ("json", "text") else "row"
+            source = getattr(chunk[1], "name", chunk[1])  # a path, or a HubSource's name
             encoded = encode_sft_batch(tokenizer, batch, keys, options.append_eod,
-                                       f"{chunk[1]}: chunk from {unit} {chunk[2]}", docs - len(batch))
+                                       f"{source}: chunk from {unit} {chunk[2]}", docs - len(batch))
             for ids, mask in encoded:
                 add(writers[SFT_NAME], ids)
                 add(writers[SFT_MASK], mask)

@@ -83,7 +83,8 @@ class SFTDataset:
                             "in --split or more data)")
         window = self.seq_length + 1
         ends = tokens.document_indices
-        doc_tokens = np.array([int(tokens.sequence_lengths[ends[d]:ends[d + 1]].sum()) for d in documents], np.int64)
+        cumulative = np.concatenate([[0], np.cumsum(tokens.sequence_lengths, dtype=np.int64)])
+        doc_tokens = cumulative[ends[documents + 1]] - cumulative[ends[documents]]
         clipped = np.minimum(doc_tokens, window)
         order, starts, epoch = [], [np.zeros(1, np.int64)], 0
         count = 0
@@ -140,6 +141,9 @@ def build_sft_datasets(prefix: str, bookends, seq_length: int, seed: int, num_sa
             out.append(None)
             continue
         begin, end = int(round(ends[0] * float(count))), int(round(ends[1] * float(count)))
+        if begin == end and size is None:  # an empty split nobody asks samples of (test, valid without eval)
+            out.append(None)
+            continue
         out.append(SFTDataset(tokens, mask, np.arange(begin, end), size, seq_length, seed + 1000 * len(out),
                               pack, name))
     return tuple(out)

@@ -76,9 +76,10 @@ def check_sft_keys(tokenizer, keys: list[str]) -> None:
     """Fail before any work on keys / a tokenizer that cannot make SFT records."""
     if len(keys) not in (1, 2):
         raise DataError(f"--sft: --json-keys takes PROMPT RESPONSE or one chat MESSAGES field, got {keys}")
-    if len(keys) == 1 and not getattr(getattr(tokenizer, "tokenizer", None), "chat_template", None):
-        raise DataError(f"--sft --json-keys {keys[0]}: chat messages need a --tokenizer-model with a chat "
-                        "template (HuggingFaceTokenizer; its tokenizer_config.json has no chat_template)")
+    hf = getattr(tokenizer, "tokenizer", None)
+    if len(keys) == 1 and not (getattr(hf, "chat_template", None) and getattr(hf, "is_fast", False)):
+        raise DataError(f"--sft --json-keys {keys[0]}: chat messages need a fast transformers tokenizer with a "
+                        "chat template (--tokenizer-type HuggingFaceTokenizer; this one has none)")
 
 
 def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, where: str, first: int = 0

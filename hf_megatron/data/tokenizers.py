@@ -32,6 +32,9 @@ def _require_file(path: str | None, flag: str, what: str) -> str:
     return path
 
 
+PROBE = "Hello, World!  12 345 café\n\tdone. <|endoftext|>"  # checks the backend gives tokenizer()'s ids
+
+
 class HFTokenizer:
     """A transformers tokenizer.  Batches go straight to its Rust backend when it has one
     (``encode_batch_fast``: the ids ``tokenizer(texts)`` gives, without building offsets or a
@@ -46,6 +49,11 @@ class HFTokenizer:
         self.eod = eod
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         self._encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+        if self._encode_batch is not None and self._backend_ids(PROBE) != tokenizer(PROBE).input_ids:
+            self._encode_batch = None  # the Python side adds something (normalisation, special tokens)
+
+    def _backend_ids(self, text: str) -> list[int]:
+        return self._encode_batch([text], add_special_tokens=True)[0].ids
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
