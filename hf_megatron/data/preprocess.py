@@ -166,7 +166,7 @@ def preprocess(options: PreprocessOptions) -> dict:
     known = all(chunk[0] == "hub" for chunk in chunks)  # row ranges: the document count is known
     bar = _progress(options, sum(chunk[3] - chunk[2] for chunk in chunks) if known else None)
     start = time.perf_counter()
-    pool = None
+    pool, parallelism = None, os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         if options.workers == 1:
             _init_worker(options)
@@ -198,6 +198,10 @@ def preprocess(options: PreprocessOptions) -> dict:
     finally:
         if pool is not None:
             pool.terminate()
+        if options.workers > 1:  # the caller's setting back (one process tokenises with Rust threads)
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            if parallelism is not None:
+                os.environ["TOKENIZERS_PARALLELISM"] = parallelism
         if bar is not None:
             bar.close()
         shutil.rmtree(parts_dir, ignore_errors=True)

@@ -86,16 +86,15 @@ class SFTDataset:
         cumulative = np.concatenate([[0], np.cumsum(tokens.sequence_lengths, dtype=np.int64)])
         doc_tokens = cumulative[ends[documents + 1]] - cumulative[ends[documents]]
         clipped = np.minimum(doc_tokens, window)
-        order, starts, epoch = [], [np.zeros(1, np.int64)], 0
-        count = 0
+        order, starts, epoch, count = [], [np.zeros(1, np.int64)], 0, 0
         while True:
             positions = np.random.RandomState(seed + epoch).permutation(len(documents))
             if self.pack:
                 bounds = pack_windows(clipped[positions], window)
             else:
                 bounds = np.arange(len(positions) + 1, dtype=np.int64)
+            starts.append(bounds[1:] + len(documents) * epoch)  # into the concatenated epoch orders
             order.append(documents[positions])
-            starts.append(bounds[1:] + sum(len(o) for o in order[:-1]))
             count += len(bounds) - 1
             epoch += 1
             if num_samples is None or count >= num_samples:
@@ -112,6 +111,8 @@ class SFTDataset:
         return self.tokens.document(doc)[:window], self.mask.document(doc)[:window]
 
     def __getitem__(self, k: int) -> dict[str, np.ndarray]:
+        if not 0 <= k < self.num_samples:
+            raise IndexError(f"SFT sample {k} outside [0, {self.num_samples})")
         window = self.seq_length + 1
         ids, scored = np.zeros(window, np.int64), np.zeros(window, bool)
         used = 0
