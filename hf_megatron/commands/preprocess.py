@@ -3,7 +3,9 @@
     hf-megatron preprocess --input corpus.jsonl --output-prefix data/corpus \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model gpt2 --append-eod --workers 8
 
-writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).  With
+writes data/corpus_text_document.bin/.idx (one pair per --json-keys key).  With --sft and
+--json-keys prompt response (or --json-keys messages, a chat list) it writes one token dataset
+data/corpus_sft_document plus a parallel loss mask data/corpus_sft_document_loss_mask.  With
 --train-tokenizer {bpe,sentencepiece} --vocab-size N a new tokenizer is first trained on the
 input and saved to --tokenizer-model (a directory for bpe, a .model file for sentencepiece).
 """
@@ -20,11 +22,23 @@ def add_parser(subparsers) -> None:
         "preprocess", help="tokenise a corpus into Megatron .bin/.idx indexed datasets",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, nargs="+",
+    group.add_argument("--input", nargs="+", default=[],
                        help="JSON lines (.json/.jsonl), text (.txt, one document per line), .parquet, "
-                            "or a datasets dir saved with save_to_disk; globs allowed")
+                            "a datasets dir saved with save_to_disk, or hf://NAME (as --hf-dataset); globs allowed")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenise (default: text)")
     group.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")
+    group.add_argument("--sft", action="store_true",
+                       help="SFT data: --json-keys PROMPT RESPONSE (or one chat MESSAGES field, rendered with the "
+                            "tokenizer's chat template, assistant turns scored) -> {prefix}_sft_document plus its "
+                            "loss mask {prefix}_sft_document_loss_mask (for `train --sft`)")
+    group = parser.add_argument_group("Hugging Face datasets (datasets.load_dataset; offline on local data)")
+    group.add_argument("--hf-dataset", metavar="NAME",
+                       help="Hub id, local folder of data files, single data file (.parquet/.jsonl/.arrow/.csv/.txt) "
+                            "or save_to_disk folder")
+    group.add_argument("--hf-subset", help="configuration name (load_dataset's `name`)")
+    group.add_argument("--hf-split", default="train", help="split to read (default: train)")
+    group.add_argument("--streaming", action="store_true",
+                       help="stream the rows (no Arrow cache written); workers read contiguous file shards")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True,
                        choices=["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -47,12 +61,13 @@ def add_parser(subparsers) -> None:
 
 
 def _train_tokenizer(args) -> None:
-    from hf_megatron.data.sources import expand_inputs, plan_chunks, read_chunk
+    from hf_megatron.data.sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
     from hf_megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
 
     if not args.tokenizer_model or not args.vocab_size:
         raise ConfigError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
-    chunks = plan_chunks(expand_inputs(args.input), 1, 1 << 62, args.split)
+    sources = resolve_sources(args.input, args.hf_dataset, args.hf_subset, args.hf_split, args.streaming)
+    chunks = plan_chunks(expand_inputs(sources), 1, 1 << 62, args.split)
     texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
     if args.train_tokenizer == "bpe":
         if args.tokenizer_type != "HuggingFaceTokenizer":
@@ -75,7 +90,8 @@ def run(args) -> int:
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
-        split=args.split, progress=not args.no_progress))
+        split=args.split, progress=not args.no_progress, sft=args.sft, hf_dataset=args.hf_dataset,
+        hf_subset=args.hf_subset, hf_split=args.hf_split, streaming=args.streaming))
     for key, prefix in stats["outputs"].items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"{stats['documents']} documents, {stats['tokens']} tokens ({stats['dtype']}) in "

@@ -19,6 +19,7 @@ from ..errors import DataError
 from .blending import normalize
 from .gpt_dataset import BlendedDataset, GPTDataset
 from .indexed import IndexedDataset
+from .sft import build_sft_datasets
 
 SPLITS = ("train", "valid", "test")
 Blend = Union[str, Sequence[str], tuple]
@@ -136,3 +137,19 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
             size = None if num_samples[i] is None else min(num_samples[i], sum(blend_weights))
         result.append(BlendedDataset(parts, blend_weights, size, name, cache_dir))
     return tuple(result)
+
+
+def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size: int | None = None):
+    """(train, valid, test) for a run's dataset type: ``run`` is a training RunConfig (read by
+    name: data_path, split, seq_length, data_cache_path, sft, sft_pack).  GPT pretraining
+    windows by default, SFT response-only windows with ``--sft`` (data/sft.py).  ``vocab_size``:
+    token ids must be below it (pretraining data; checked once per file)."""
+    if getattr(run, "sft", False):
+        if len(run.data_path) != 1 or len(run.data_path[0].split()) != 1:
+            raise DataError(f"--sft takes one --data-path prefix (an SFT dataset from `hf-megatron preprocess "
+                            f"--sft`), got {run.data_path}; blends are not supported for SFT")
+        return build_sft_datasets(run.data_path[0], split_bookends(run.split), run.seq_length, seed, num_samples,
+                                  pack=getattr(run, "sft_pack", False))
+    return build_gpt_datasets(run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
+                              seq_length=run.seq_length, seed=seed, num_samples=num_samples,
+                              cache_dir=run.data_cache_path or "auto", vocab_size=vocab_size)

@@ -84,7 +84,8 @@ def batch_iterator(dataset, micro_batch_size: int, dp_rank: int = 0, dp_size: in
     ``num_workers > 0`` reads in DataLoader workers."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                          dp_rank, dp_size, drop_last)
-    collate = functools.partial(collate_windows, extra_token=_extra_token(dataset))
+    # datasets that cut their own inputs/targets (data/sft.py) bring their collate
+    collate = getattr(dataset, "collate", None) or functools.partial(collate_windows, extra_token=_extra_token(dataset))
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=collate, pin_memory=False, persistent_workers=False)
     return iter(loader)

@@ -8,6 +8,11 @@ crash leaves only a temporary folder behind (final files are renamed into place 
 One document per record: the record's text for each key is tokenised (special tokens as the
 tokenizer adds them); with ``append_eod`` the end-of-document id is appended to non-empty
 documents.  A document is one sequence (Megatron-LM's document level, no sentence splitting).
+
+With ``sft`` the keys are PROMPT RESPONSE (or one chat MESSAGES field) and the output is one
+token dataset ``{output_prefix}_sft_document`` plus its loss mask ``..._sft_document_loss_mask``
+(uint8, 1 = response token), an indexed dataset with the same documents and sequence lengths
+(sft_records.py says how the mask is made; sft.py reads both).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 from .indexed import IndexedDatasetWriter, optimal_dtype
-from .sources import expand_inputs, plan_chunks, read_chunk
+from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
+from .sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
 from .tokenizers import build_tokenizer
 
 BATCH_DOCS = 256
@@ -43,10 +49,26 @@ class PreprocessOptions:
     partitions: int = 1
     split: str | None = None
     progress: bool = True
+    sft: bool = False
+    hf_dataset: str | None = None   # datasets.load_dataset inputs (hub.py), after `inputs`
+    hf_subset: str | None = None
+    hf_split: str = "train"
+    streaming: bool = False
+
+
+SFT_NAME, SFT_MASK = "sft", "sft_loss_mask"
 
 
 def output_prefix_for(prefix: str, key: str) -> str:
     return f"{prefix}_{key}_document"
+
+
+def _channels(options: PreprocessOptions, dtype_name: str) -> list[tuple[str, str, str]]:
+    """(name, final prefix, dtype) of each indexed dataset written: one per key, or SFT tokens + mask."""
+    if options.sft:
+        tokens = output_prefix_for(options.output_prefix, SFT_NAME)
+        return [(SFT_NAME, tokens, dtype_name), (SFT_MASK, loss_mask_prefix(tokens), "uint8")]
+    return [(key, output_prefix_for(options.output_prefix, key), dtype_name) for key in options.json_keys]
 
 
 def _tokenizer_of(options: PreprocessOptions):
@@ -64,22 +86,37 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
     index, chunk, part_prefix, dtype_name = job
     tokenizer, options = _worker_state["tokenizer"], _worker_state["options"]
     keys = options.json_keys
-    writers = {k: IndexedDatasetWriter(f"{part_prefix}_{k}", np.dtype(dtype_name)) for k in keys}
+    writers = {name: IndexedDatasetWriter(f"{part_prefix}_{name}", np.dtype(dtype))
+               for name, _, dtype in _channels(options, dtype_name)}
     docs = nbytes = ntokens = 0
     batch: list[dict] = []
 
+    def add(writer, ids) -> None:
+        writer.add_document(ids, [len(ids)] if len(ids) else [])
+
     def flush():
         nonlocal ntokens
+        if options.sft:
+            unit = "byte" if chunk[0] in ("json", "text") else "row"
+            source = getattr(chunk[1], "name", chunk[1])  # a path, or a HubSource's name
+            encoded = encode_sft_batch(tokenizer, batch, keys, options.append_eod,
+                                       f"{source}: chunk from {unit} {chunk[2]}", docs - len(batch))
+            for ids, mask in encoded:
+                add(writers[SFT_NAME], ids)
+                add(writers[SFT_MASK], mask)
+                ntokens += len(ids)
+            batch.clear()
+            return
         for key in keys:
             for ids in tokenizer.tokenize_batch([str(doc[key]) for doc in batch]):
                 if ids and options.append_eod:
                     ids = list(ids) + [tokenizer.eod]
-                writers[key].add_document(ids, [len(ids)] if ids else [])
+                add(writers[key], ids)
                 ntokens += len(ids)
         batch.clear()
 
     try:
-        for doc, size in read_chunk(chunk, keys):
+        for doc, size in read_chunk(chunk, keys, chat=options.sft):
             batch.append(doc)
             docs += 1
             nbytes += size
@@ -110,11 +147,14 @@ def preprocess(options: PreprocessOptions) -> dict:
     if options.workers < 1 or options.partitions < 1:
         raise ConfigError("--workers and --partitions must be >= 1")
     tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
+    if options.sft:
+        check_sft_keys(tokenizer, options.json_keys)
     if options.append_eod and tokenizer.eod is None:
         raise DataError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
                          "end-of-document (eos) token")
     dtype_name = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    paths = expand_inputs(options.inputs)
+    paths = expand_inputs(resolve_sources(options.inputs, options.hf_dataset, options.hf_subset, options.hf_split,
+                                          options.streaming))
     chunks = plan_chunks(paths, max(options.partitions, 4 * options.workers if options.workers > 1 else 1),
                          64 << 20, options.split)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
@@ -123,9 +163,10 @@ def preprocess(options: PreprocessOptions) -> dict:
     os.makedirs(parts_dir, exist_ok=True)
     jobs = [(i, chunk, os.path.join(parts_dir, f"{i:06d}"), dtype_name) for i, chunk in enumerate(chunks)]
     totals = {"documents": 0, "bytes": 0, "tokens": 0}
-    bar = _progress(options, None)
+    known = all(chunk[0] == "hub" for chunk in chunks)  # row ranges: the document count is known
+    bar = _progress(options, sum(chunk[3] - chunk[2] for chunk in chunks) if known else None)
     start = time.perf_counter()
-    pool = None
+    pool, parallelism = None, os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         if options.workers == 1:
             _init_worker(options)
@@ -151,16 +192,18 @@ def preprocess(options: PreprocessOptions) -> dict:
         if not totals["documents"]:
             raise DataError(f"{', '.join(options.inputs)}: no documents (empty input); nothing to write")
         outputs = {}
-        for key in options.json_keys:
-            final = output_prefix_for(options.output_prefix, key)
-            parts = [f"{job[2]}_{key}" for job in jobs]
-            with IndexedDatasetWriter(final, np.dtype(dtype_name)) as writer:
-                for part in parts:
-                    writer.add_index(part)
-            outputs[key] = final
+        for name, final, dtype in _channels(options, dtype_name):
+            with IndexedDatasetWriter(final, np.dtype(dtype)) as writer:
+                for job in jobs:
+                    writer.add_index(f"{job[2]}_{name}")
+            outputs[name] = final
     finally:
         if pool is not None:
             pool.terminate()
+        if options.workers > 1:  # the caller's setting back (one process tokenises with Rust threads)
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            if parallelism is not None:
+                os.environ["TOKENIZERS_PARALLELISM"] = parallelism
         if bar is not None:
             bar.close()
         shutil.rmtree(parts_dir, ignore_errors=True)

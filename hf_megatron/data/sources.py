@@ -1,9 +1,10 @@
 """Corpus readers for preprocessing, each split into contiguous chunks that workers read alone.
 
 A chunk is ``(kind, path, start, stop)``: a byte range of a JSON-lines or text file (a line
-belongs to the chunk holding its first byte), a row-group range of a parquet file, or a row
-range of a ``datasets`` dataset saved with ``save_to_disk``.  Reading the chunks in order gives
-the documents in file order, so the output does not depend on the number of workers.
+belongs to the chunk holding its first byte), a row-group range of a parquet file, or (hub.py)
+a row range of a ``datasets`` dataset (saved with ``save_to_disk`` or loaded by ``load_dataset``)
+or a shard of a streamed one.  Reading the chunks in order gives the documents in file order, so
+the output does not depend on the number of workers.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 from typing import Iterator
 
 from ..errors import DataError, DataNotFoundError
+from .hub import HF_SCHEME, HubSource, hub_column_batches, is_saved_to_disk, plan_hub_chunks
 
 JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
@@ -20,7 +22,7 @@ TEXT_SUFFIXES = (".txt", ".text")
 
 def _kind_of(path: str) -> str:
     if os.path.isdir(path):
-        if any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        if is_saved_to_disk(path):
             return "hf_disk"
         raise DataError(f"{path}: directory is not a datasets dataset saved with save_to_disk "
                          "(no dataset_info.json / dataset_dict.json)")
@@ -35,26 +37,30 @@ def _kind_of(path: str) -> str:
                      "or a saved datasets directory)")
 
 
-def expand_inputs(inputs: list[str]) -> list[str]:
+def resolve_sources(inputs: list[str], hf_dataset: str | None = None, hf_subset: str | None = None,
+                    hf_split: str = "train", streaming: bool = False) -> list:
+    """``--input`` items (``hf://NAME`` ones become HubSource) then ``--hf-dataset``, in order."""
+    hub = lambda name: HubSource(name, hf_subset, hf_split, streaming)  # noqa: E731
+    sources = [hub(item[len(HF_SCHEME):]) if item.startswith(HF_SCHEME) else item for item in inputs or []]
+    if hf_dataset:
+        sources.append(hub(hf_dataset))
+    if not sources:
+        raise DataNotFoundError("no input: give --input FILES or --hf-dataset NAME")
+    return sources
+
+
+def expand_inputs(inputs: list) -> list:
+    """Paths with globs expanded (checked to exist); HubSource items pass through."""
     paths = []
     for pattern in inputs:
+        if isinstance(pattern, HubSource):
+            paths.append(pattern)
+            continue
         matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
         if not matches or not all(os.path.exists(m) for m in matches):
             raise DataNotFoundError(f"{pattern}: input not found")
         paths.extend(matches)
     return paths
-
-
-def _load_hf(path: str, split: str | None):
-    import datasets
-
-    data = datasets.load_from_disk(path)
-    if isinstance(data, datasets.DatasetDict):
-        name = split or ("train" if "train" in data else None)
-        if name not in data:
-            raise DataError(f"{path}: saved DatasetDict has splits {sorted(data)}; choose one with --split")
-        data = data[name]
-    return data
 
 
 def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: int,
@@ -63,6 +69,9 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
     where the file is big enough."""
     chunks = []
     for path in paths:
+        if isinstance(path, HubSource):
+            chunks += plan_hub_chunks(path, min_chunks_per_file)
+            continue
         kind = _kind_of(path)
         if kind in ("json", "text"):
             size = os.path.getsize(path)
@@ -80,10 +89,7 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
             bounds = [groups * i // count for i in range(count + 1)]
             chunks += [(kind, path, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         else:
-            rows = len(_load_hf(path, split))
-            count = max(1, min(rows, min_chunks_per_file))
-            bounds = [rows * i // count for i in range(count + 1)]
-            chunks += [(kind, path, a, b, split) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            chunks += plan_hub_chunks(HubSource(path, split=split or "train"), min_chunks_per_file)
     return chunks
 
 
@@ -103,7 +109,7 @@ def _lines(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
             yield position, line
 
 
-def _pick(record: dict, keys: list[str], where: str) -> dict:
+def _pick(record: dict, keys: list[str], where: str, chat: bool = False) -> dict:
     try:
         picked = {key: record[key] for key in keys}
     except KeyError as exc:
@@ -112,13 +118,16 @@ def _pick(record: dict, keys: list[str], where: str) -> dict:
     except TypeError:
         raise DataError(f"{where}: expected a JSON object per line") from None
     for key, value in picked.items():  # null, numbers, lists would be tokenised as their repr ("None")
+        if chat and isinstance(value, list):
+            continue  # SFT chat messages: sft_records checks their structure
         if not isinstance(value, str):
             raise DataError(f"{where}: field {key!r} is {json.dumps(value)[:40]}, expected a string")
     return picked
 
 
-def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
-    """Documents ``{key: text}`` of one chunk, each with its size in bytes (for MB/s)."""
+def read_chunk(chunk: tuple, keys: list[str], chat: bool = False) -> Iterator[tuple[dict, int]]:
+    """Documents ``{key: text}`` of one chunk, each with its size in bytes (for MB/s); ``chat``
+    also lets a JSON list through (an SFT ``messages`` field)."""
     kind, path = chunk[0], chunk[1]
     if kind in ("json", "text"):
         for position, line in _lines(path, chunk[2], chunk[3]):
@@ -132,7 +141,10 @@ def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
                 record = json.loads(stripped)
             except ValueError as exc:
                 raise DataError(f"{path}: byte {position}: invalid JSON line ({exc})") from None
-            yield _pick(record, keys, f"{path}: byte {position}"), len(line)
+            yield _pick(record, keys, f"{path}: byte {position}", chat), len(line)
+    elif kind in ("hub", "hub_stream"):
+        for columns in hub_column_batches(chunk, keys):
+            yield from _column_documents(columns, keys)
     elif kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -141,17 +153,11 @@ def read_chunk(chunk: tuple, keys: list[str]) -> Iterator[tuple[dict, int]]:
         if missing:
             raise DataError(f"{path}: no column {missing[0]!r} (have {parquet.schema_arrow.names}); set --json-keys")
         for batch in parquet.iter_batches(row_groups=range(chunk[2], chunk[3]), columns=keys):
-            columns = {k: batch.column(k).to_pylist() for k in keys}
-            for row in range(batch.num_rows):
-                doc = {k: columns[k][row] or "" for k in keys}
-                yield doc, sum(len(v) for v in doc.values())
-    else:
-        data = _load_hf(path, chunk[4])
-        missing = [k for k in keys if k not in data.column_names]
-        if missing:
-            raise DataError(f"{path}: no column {missing[0]!r} (have {data.column_names}); set --json-keys")
-        for start in range(chunk[2], chunk[3], 1000):
-            rows = data[start: min(start + 1000, chunk[3])]
-            for i in range(len(rows[keys[0]])):
-                doc = {k: rows[k][i] or "" for k in keys}
-                yield doc, sum(len(v) for v in doc.values())
+            yield from _column_documents({k: batch.column(k).to_pylist() for k in keys}, keys)
+
+
+def _column_documents(columns: dict[str, list], keys: list[str]) -> Iterator[tuple[dict, int]]:
+    """Rows of a column batch as documents (a missing value reads as empty text), with sizes."""
+    for row in range(len(columns[keys[0]])):
+        doc = {k: columns[k][row] or "" for k in keys}
+        yield doc, sum(len(v) if isinstance(v, str) else len(str(v)) for v in doc.values())

@@ -1,7 +1,8 @@
 """Tokenizers for preprocessing, named as Megatron-LM's ``--tokenizer-type`` values.
 
-Each exposes ``tokenize(text) -> list[int]``, ``tokenize_batch(texts)``, ``eod`` (end-of-document
-id appended by ``--append-eod``) and ``vocab_size`` (which picks the .bin token dtype).
+Each exposes ``tokenize(text) -> list[int]``, ``tokenize_batch(texts, add_special_tokens=True)``,
+``eod`` (end-of-document id appended by ``--append-eod``) and ``vocab_size`` (which picks the .bin
+token dtype); ``HFTokenizer`` also renders chat templates for SFT (sft_records.py).
 
 * ``HuggingFaceTokenizer``  --tokenizer-model DIR_OR_HUB_ID (AutoTokenizer; special tokens as the
   tokenizer adds them, like Megatron-LM)
@@ -31,7 +32,14 @@ def _require_file(path: str | None, flag: str, what: str) -> str:
     return path
 
 
+PROBE = "Hello, World!  12 345 café\n\tdone. <|endoftext|>"  # checks the backend gives tokenizer()'s ids
+
+
 class HFTokenizer:
+    """A transformers tokenizer.  Batches go straight to its Rust backend when it has one
+    (``encode_batch_fast``: the ids ``tokenizer(texts)`` gives, without building offsets or a
+    BatchEncoding), which is what makes preprocessing fast."""
+
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
@@ -39,12 +47,31 @@ class HFTokenizer:
         if eod is None:
             eod = tokenizer.convert_tokens_to_ids("<|endoftext|>") if "<|endoftext|>" in tokenizer.get_vocab() else None
         self.eod = eod
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self._encode_batch = getattr(backend, "encode_batch_fast", None) or getattr(backend, "encode_batch", None)
+        if self._encode_batch is not None and self._backend_ids(PROBE) != tokenizer(PROBE).input_ids:
+            self._encode_batch = None  # the Python side adds something (normalisation, special tokens)
+
+    def _backend_ids(self, text: str) -> list[int]:
+        return self._encode_batch([text], add_special_tokens=True)[0].ids
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text).input_ids
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts).input_ids if texts else []
+    def tokenize_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        if not texts:
+            return []
+        if self._encode_batch is not None:
+            return [e.ids for e in self._encode_batch(texts, add_special_tokens=add_special_tokens)]
+        return self.tokenizer(texts, add_special_tokens=add_special_tokens).input_ids
+
+    def tokenize_with_offsets(self, texts: list[str]) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+        """Ids of already-rendered texts (no special tokens added) and each token's character span."""
+        out = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return out.input_ids, out.offset_mapping
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
 class SentencePieceTokenizer:
@@ -62,8 +89,8 @@ class SentencePieceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self.processor.encode(text, add_bos=self.add_bos)
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        return self.processor.encode(texts, add_bos=self.add_bos) if texts else []
+    def tokenize_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return self.processor.encode(texts, add_bos=self.add_bos and add_special_tokens) if texts else []
 
 
 class NullTokenizer:
@@ -81,7 +108,7 @@ class NullTokenizer:
             raise DataError(f"NullTokenizer: a token id of {text[:40]!r} is outside [0, {self.vocab_size}) (--vocab-size)")
         return ids
 
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+    def tokenize_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.tokenize(t) for t in texts]
 
 

@@ -175,6 +175,10 @@ class RunConfig:
     seq_length: int = option(1024, group="data", at_least=2, help="tokens per sample")
     data_cache_path: str | None = option(None, group="data",
                                          help="where the index .npy files go (default: <data dir>/cache)")
+    sft: bool = option(False, group="data", help="supervised fine-tuning on an SFT dataset from `preprocess --sft`: "
+                                                 "only response tokens are scored (train and validation loss)")
+    sft_pack: bool = option(False, group="data", help="with --sft: pack several samples into each --seq-length "
+                                                      "window (default: one sample per window, right-padded)")
     save: str | None = option(None, group="checkpointing and logging", help="checkpoint folder to write")
     save_interval: int | None = option(None, group="checkpointing and logging", at_least=1,
                                        help="save every N steps (default: only at the end)")
@@ -201,3 +205,5 @@ class RunConfig:
         if weights is not None and not all(w > 0 for w in weights):
             _fail(self, "data_path", "positive blend weights in 'w1 prefix1 w2 prefix2 ...'", self.data_path)
         split_bookends(self.split)
+        if self.sft_pack and not self.sft:
+            raise ConfigError("RunConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")

@@ -80,7 +80,7 @@ def _is_logger() -> bool:
 
 
 def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
-    from ..data.builder import build_gpt_datasets
+    from ..data.builder import build_datasets
     from .checkpoint import load_checkpoint, save_checkpoint
 
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
@@ -102,10 +102,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     eval_samples = 0
     if run.eval_interval:
         eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
-    train_ds, valid_ds, _ = build_gpt_datasets(
-        run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
-        seq_length=run.seq_length, seed=cfg.seed, num_samples=(cfg.train_iters * gbs, eval_samples or None, None),
-        cache_dir=run.data_cache_path or "auto", vocab_size=chunks[0].config.vocab_size)
+    train_ds, valid_ds, _ = build_datasets(run, cfg.seed, (cfg.train_iters * gbs, eval_samples or None, None),
+                                           vocab_size=chunks[0].config.vocab_size)
     if train_ds is None:
         raise DataError(f"--split {run.split!r} gives the training split no documents")
 

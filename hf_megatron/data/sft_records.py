@@ -1,0 +1,115 @@
+"""SFT records -> token ids and a loss mask of the same length (1 = a response token, scored).
+
+Two record shapes (``hf-megatron preprocess --sft``):
+
+* ``--json-keys PROMPT RESPONSE``: ``ids = tok(prompt) + tok(response)`` where the prompt gets
+  the special tokens the tokenizer adds (a BOS, say) and the response none; the mask is 0 on the
+  prompt and 1 on the response.  Each part is tokenised on its own, as Megatron-LM / NeMo SFT do,
+  so the boundary never merges prompt and response characters into one token.
+* ``--json-keys MESSAGES``: a chat list ``[{"role": ..., "content": ...}, ...]`` rendered once with
+  the tokenizer's chat template and tokenised once (offsets kept).  Assistant turn ``k`` covers
+  the characters ``[len(render(m[:k], add_generation_prompt)), len(render(m[:k+1])))`` of the
+  full rendering (the header the generation prompt adds is context, not scored; without a
+  generation prompt the turn starts at ``len(render(m[:k]))``); a token is scored when its first
+  character lies in an assistant span.  Templates that rewrite earlier turns when a later one is
+  added cannot be cut this way and are refused naming the record.
+
+``--append-eod`` appends the end-of-document id, scored (the model learns to stop).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import DataError
+
+
+def loss_mask_prefix(tokens_prefix: str) -> str:
+    """Where the loss mask of an SFT token dataset lives: ``{prefix}_loss_mask.bin/.idx``."""
+    return tokens_prefix + "_loss_mask"
+
+
+def encode_prompt_response(tokenizer, records: list[dict], keys: list[str], append_eod: bool
+                           ) -> list[tuple[list[int], np.ndarray]]:
+    prompt_key, response_key = keys
+    prompts = tokenizer.tokenize_batch([str(r[prompt_key]) for r in records])
+    responses = tokenizer.tokenize_batch([str(r[response_key]) for r in records], add_special_tokens=False)
+    out = []
+    for prompt, response in zip(prompts, responses):
+        response = list(response) + ([tokenizer.eod] if append_eod else [])
+        mask = np.zeros(len(prompt) + len(response), np.uint8)
+        mask[len(prompt):] = 1
+        out.append((list(prompt) + response, mask))
+    return out
+
+
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected a non-empty list of chat messages, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: no assistant message (nothing to score)")
+
+
+def assistant_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the character spans of its assistant turns (module docstring)."""
+    full = tokenizer.render_chat(messages)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        upto = tokenizer.render_chat(messages[:k + 1])
+        starts = []
+        if k:
+            starts = [tokenizer.render_chat(messages[:k], add_generation_prompt=True),
+                      tokenizer.render_chat(messages[:k])]
+        start = next((len(s) for s in starts if upto.startswith(s)), 0 if not k else None)
+        if start is None or not full.startswith(upto):
+            raise DataError(f"{where}: the chat template does not render turns incrementally (adding turn {k} "
+                            "changes earlier text), so assistant tokens cannot be located")
+        spans.append((start, len(upto)))
+    return full, spans
+
+
+def check_sft_keys(tokenizer, keys: list[str]) -> None:
+    """Fail before any work on keys / a tokenizer that cannot make SFT records."""
+    if len(keys) not in (1, 2):
+        raise DataError(f"--sft: --json-keys takes PROMPT RESPONSE or one chat MESSAGES field, got {keys}")
+    hf = getattr(tokenizer, "tokenizer", None)
+    if len(keys) == 1 and not (getattr(hf, "chat_template", None) and getattr(hf, "is_fast", False)):
+        raise DataError(f"--sft --json-keys {keys[0]}: chat messages need a fast transformers tokenizer with a "
+                        "chat template (--tokenizer-type HuggingFaceTokenizer; this one has none)")
+
+
+def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, where: str, first: int = 0
+                ) -> list[tuple[list[int], np.ndarray]]:
+    rendered = []
+    for i, record in enumerate(records):
+        place = f"{where}, record {first + i}"
+        _check_messages(record[key], place)
+        try:
+            rendered.append(assistant_spans(tokenizer, record[key], place))
+        except DataError:
+            raise
+        except Exception as exc:  # the template itself raised (jinja errors, raise_exception(...))
+            raise DataError(f"{place}: chat template failed ({exc})".splitlines()[0]) from None
+    ids_list, offsets_list = tokenizer.tokenize_with_offsets([text for text, _ in rendered])
+    out = []
+    for ids, offsets, (_, spans) in zip(ids_list, offsets_list, rendered):
+        starts = np.array([start for start, _ in offsets], np.int64).reshape(-1)
+        mask = np.zeros(len(ids), bool)
+        for begin, end in spans:
+            mask |= (starts >= begin) & (starts < end)
+        ids = list(ids) + ([tokenizer.eod] if append_eod else [])
+        out.append((ids, np.concatenate([mask, [True] * append_eod]).astype(np.uint8)))
+    return out
+
+
+def encode_sft_batch(tokenizer, records: list[dict], keys: list[str], append_eod: bool, where: str,
+                     first: int = 0) -> list[tuple[list[int], np.ndarray]]:
+    """(ids, loss mask) per record, for two keys (prompt, response) or one (chat messages);
+    ``where``/``first`` name the records in errors."""
+    if len(keys) == 2:
+        return encode_prompt_response(tokenizer, records, keys, append_eod)
+    return encode_chat(tokenizer, records, keys[0], append_eod, where, first)
