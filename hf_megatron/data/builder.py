@@ -77,7 +77,7 @@ def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache
 def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
                        num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
                        add_extra_token: bool = True, mid_level_surplus: float = 0.005,
-                       drop_last_partial_validation: bool = True):
+                       drop_last_partial_validation: bool = True, skip_splits: Sequence[str] = ()):
     """(train, valid, test) datasets; a split with a zero share is None.
 
     ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
@@ -87,13 +87,15 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     None = build in memory on every rank.  Under torch.distributed only rank 0 builds.
     ``drop_last_partial_validation=False`` keeps a last, padded, partial validation window
     (megatron's ``drop_last_partial_validation_sequence``).
+    ``skip_splits``: names ("valid", "test") not built, returned as None (a run that never reads them
+    must not fail on them).
     """
     prefixes, weights = parse_blend(data)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
     if cache_dir == "auto":
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
-    bookends = split_bookends(split)
+    bookends = [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(split))]
     extra = bool(add_extra_token)
     indexed = [_open(p) for p in prefixes]
     for other in indexed[1:]:
