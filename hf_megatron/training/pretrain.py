@@ -173,8 +173,10 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
             tracker = Path(run.save or "", TRACKER)
             kept = f"latest checkpoint: iteration {tracker.read_text().strip()}" if run.save and tracker.is_file() \
                 else "no checkpoint saved"
-            raise NonFiniteError(f"iteration {iteration}: loss {stats['loss']:.4g} / gradients not finite "
-                                 f"(--check-for-nan-in-loss-and-grad); stopped, nothing saved after it ({kept})")
+            what = f"the loss is {stats['loss']}" if not math.isfinite(stats["loss"]) else \
+                f"the gradients are not finite (loss {stats['loss']:.4g})"
+            raise NonFiniteError(f"iteration {iteration}: {what}; stopped by --check-for-nan-in-loss-and-grad, "
+                                 f"nothing saved after it ({kept})")
         window_tokens += stats["num_tokens"]
         history.append(stats["loss"])
         last = stats

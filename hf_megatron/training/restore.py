@@ -64,7 +64,8 @@ def build_training_state(run: RunConfig, cfg: trainer.TrainingConfig, start: Sta
     set_dropout(chunks, run.hidden_dropout, run.attention_dropout)
     optimizer = trainer.build_optimizer(chunks, cfg)
     scheduler = trainer.build_scheduler(optimizer, cfg)
-    restored = Restored()
+    restored = Restored(source=f"starting from {source} (pretrained weights)" if not isinstance(source, ModelConfig)
+                        else "starting from a Megatron-style init")
     if start.kind == "finetune":
         if start.megatron_dir is not None:
             for chunk in chunks:  # any saved layout: full tensors, cut for this rank
