@@ -250,11 +250,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if (self.pretrained_checkpoint and self.hf_model and self.hf_config) or (
-                not self.pretrained_checkpoint and bool(self.hf_model) == bool(self.hf_config)):
+        from_checkpoint = bool(self.pretrained_checkpoint or self.load)  # it can give the model's structure
+        if (self.hf_model and self.hf_config) or not (from_checkpoint or self.hf_model or self.hf_config):
             raise ConfigError("RunConfig: give exactly one of --hf-model (pretrained weights) or --hf-config "
                               f"(fresh init from a config.json), got hf_model={self.hf_model!r}, "
-                              f"hf_config={self.hf_config!r} (either may be left out with --pretrained-checkpoint)")
+                              f"hf_config={self.hf_config!r} (with --load / --pretrained-checkpoint either may be "
+                              "left out: the checkpoint's own config is used)")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError("RunConfig: --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                               "are exclusive: give one")

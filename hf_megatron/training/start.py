@@ -117,6 +117,9 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
         config = _config_of_hf(run.hf_model)
         if not start.weights_from_megatron:
             return run.hf_model, config
+    elif start.megatron_dir is None:
+        raise ConfigError(f"--load {run.load}: holds no checkpoint yet to take the model from; give --hf-model "
+                          "or --hf-config for a new run")
     else:  # structure from the Megatron checkpoint's saved args
         from ..checkpoint.load import open_megatron
         config = open_megatron(start.megatron_dir).config
