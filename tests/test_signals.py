@@ -1,0 +1,125 @@
+"""Stopping and resuming with dropout > 0: a resumed run, a run stopped by SIGTERM
+(--exit-signal-handler: finish the step, save, exit 0) and a run SIGKILLed at arbitrary moments
+(between steps, in the middle of writing a checkpoint) all end with the weights of the
+uninterrupted run, bit for bit; --no-load-rng does not (the RNG streams matter).
+
+The killed runs are real `hf-megatron train` processes; they and the in-process runs use one
+thread, so their arithmetic is the same."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from train_cli import assert_same_weights, base_args, cli_inprocess, env, make_workspace, weights
+
+ITERS = 40
+DROPOUT = ("--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--lr-decay-iters", ITERS, "--log-interval", 1)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = make_workspace(tmp_path_factory.mktemp("signals"))
+    code, _, err = cli_inprocess(*base_args(root, ITERS, *DROPOUT, "--save", root / "straight"))
+    assert code == 0, err
+    no_dropout = root / "no_dropout"
+    assert cli_inprocess(*base_args(root, 2, "--lr-decay-iters", ITERS, "--save", no_dropout))[0] == 0
+    with_dropout = root / "dropout_2"
+    assert cli_inprocess(*base_args(root, 2, *DROPOUT, "--save", with_dropout))[0] == 0
+    with pytest.raises(AssertionError):  # dropout is really on: it changes the trained weights
+        assert_same_weights(weights(no_dropout, 2), weights(with_dropout, 2))
+    return root
+
+
+def _resume(root, save, iters=ITERS, *extra):
+    code, out, err = cli_inprocess(*base_args(root, iters, *DROPOUT, "--save", save, "--load", save, *extra))
+    assert code == 0, err[-2000:]
+    return out
+
+
+def _tracker(save):
+    return int((save / "latest_checkpointed_iteration.txt").read_text())
+
+
+def test_resume_with_dropout_is_bit_exact_and_needs_the_rng(workspace):
+    save, no_rng = workspace / "resumed", workspace / "resumed_no_rng"
+    for folder in (save, no_rng):
+        assert cli_inprocess(*base_args(workspace, 3, *DROPOUT, "--save", folder))[0] == 0
+    _resume(workspace, save)
+    assert_same_weights(weights(save, ITERS), weights(workspace / "straight", ITERS))
+    _resume(workspace, no_rng, ITERS, "--no-load-rng")
+    with pytest.raises(AssertionError):
+        assert_same_weights(weights(no_rng, ITERS), weights(workspace / "straight", ITERS))
+
+
+def _staging(save):
+    try:
+        return any(e.name.endswith(".partial-shared") for e in os.scandir(save))
+    except FileNotFoundError:
+        return False
+
+
+def _run_and_signal(root, save, sig, mid_save=False, timeout=120):
+    """Start a run resuming from `save`; once it has logged a step, send `sig` -- at once, or
+    (mid_save) as soon as a checkpoint's staging folder appears.  (exit status, output, whether
+    the signal landed during a save)."""
+    args = base_args(root, ITERS, *DROPOUT, "--save", save, "--load", save, "--save-interval", 1,
+                     "--exit-signal-handler")
+    proc = subprocess.Popen([sys.executable, "-m", "hf_megatron.cli", "train", *map(str, args)], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, stepped = [], threading.Event()
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if "| loss " in line:
+                stepped.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    stepped.wait(timeout)
+    during_save = False
+    deadline = time.monotonic() + 5
+    while mid_save and proc.poll() is None and time.monotonic() < deadline and not during_save:
+        during_save = _staging(save)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(timeout)
+    reader.join(timeout)
+    return proc.returncode, "".join(lines), during_save
+
+
+def _kill_and_finish(root, save, kills, seed=0):
+    """Each kill restarts from the last complete checkpoint; a SIGTERM then saves and exits 0;
+    the last run finishes.  The final weights must be the uninterrupted run's."""
+    rng, landed_mid_save = random.Random(seed), 0
+    assert cli_inprocess(*base_args(root, 2, *DROPOUT, "--save", save))[0] == 0
+    for k in range(kills):
+        before = _tracker(save)
+        code, out, during_save = _run_and_signal(root, save, signal.SIGKILL, mid_save=k % 2 == 1 or rng.random() < 0.5)
+        assert code == -signal.SIGKILL, out[-2000:]
+        landed_mid_save += during_save
+        assert _tracker(save) >= before  # a complete checkpoint, never a step back
+        if _tracker(save) == ITERS:
+            break
+    before = _tracker(save)
+    code, out, _ = _run_and_signal(root, save, signal.SIGTERM)
+    assert code == 0, out[-2000:]
+    stopped_at = _tracker(save)
+    assert f"exiting at iteration {stopped_at}: received SIGTERM" in out and before < stopped_at < ITERS, out[-2000:]
+    _resume(root, save)
+    assert_same_weights(weights(save, ITERS), weights(root / "straight", ITERS))
+    return landed_mid_save
+
+
+def test_sigterm_and_sigkills_lose_nothing(workspace):
+    _kill_and_finish(workspace, workspace / "killed", kills=2)
+
+
+@pytest.mark.slow
+def test_twelve_sigkills_many_mid_save_lose_nothing(workspace):
+    landed = _kill_and_finish(workspace, workspace / "killed_many", kills=12, seed=1)
+    assert landed >= 3, f"only {landed} kills landed during a save"
