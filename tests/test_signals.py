@@ -92,8 +92,8 @@ def _run_and_signal(root, save, sig, mid_save=False, timeout=120):
     return proc.returncode, "".join(lines), during_save
 
 
-def _kill_and_finish(root, save, kills, seed=0):
-    """Each kill restarts from the last complete checkpoint; a SIGTERM then saves and exits 0;
+def _kill_and_finish(root, save, kills, seed=0, stop=signal.SIGTERM):
+    """Each kill restarts from the last complete checkpoint; `stop` (SIGTERM/SIGINT) then saves and exits 0;
     the last run finishes.  The final weights must be the uninterrupted run's."""
     rng, landed_mid_save = random.Random(seed), 0
     assert cli_inprocess(*base_args(root, 2, *DROPOUT, "--save", save))[0] == 0
@@ -106,10 +106,10 @@ def _kill_and_finish(root, save, kills, seed=0):
         if _tracker(save) == ITERS:
             break
     before = _tracker(save)
-    code, out, _ = _run_and_signal(root, save, signal.SIGTERM)
+    code, out, _ = _run_and_signal(root, save, stop)
     assert code == 0, out[-2000:]
     stopped_at = _tracker(save)
-    assert f"exiting at iteration {stopped_at}: received SIGTERM" in out and before < stopped_at < ITERS, out[-2000:]
+    assert f"exiting at iteration {stopped_at}: received {stop.name}" in out and before < stopped_at < ITERS, out[-2000:]
     _resume(root, save)
     assert_same_weights(weights(save, ITERS), weights(root / "straight", ITERS))
     return landed_mid_save
@@ -120,6 +120,18 @@ def test_sigterm_and_sigkills_lose_nothing(workspace):
 
 
 @pytest.mark.slow
-def test_twelve_sigkills_many_mid_save_lose_nothing(workspace):
-    landed = _kill_and_finish(workspace, workspace / "killed_many", kills=12, seed=1)
+def test_twelve_sigkills_many_mid_save_and_a_sigint_lose_nothing(workspace):
+    landed = _kill_and_finish(workspace, workspace / "killed_many", kills=12, seed=1, stop=signal.SIGINT)
     assert landed >= 3, f"only {landed} kills landed during a save"
+
+
+@pytest.mark.parametrize("flag, value, reason", [("--exit-interval", 3, "--exit-interval 3 reached"),
+                                                 ("--exit-duration-in-mins", 1e-9, "--exit-duration-in-mins")])
+def test_exit_interval_and_duration_save_and_exit_zero(workspace, flag, value, reason):
+    save = workspace / f"exit{flag}"
+    code, out, err = cli_inprocess(*base_args(workspace, ITERS, *DROPOUT, "--save", save, flag, value))
+    assert code == 0, err
+    stopped_at = 3 if flag == "--exit-interval" else 1
+    assert f"exiting at iteration {stopped_at}: {reason}" in out and _tracker(save) == stopped_at
+    _resume(workspace, save)  # and the job goes on where it stopped
+    assert_same_weights(weights(save, ITERS), weights(workspace / "straight", ITERS))
