@@ -1,11 +1,14 @@
 """The training loop behind `hf-megatron train` (Megatron-LM's `pretrain`, small).
 
-    data (.bin/.idx prefixes, blend, split)  ->  GPT datasets with cached indices
-    model (HF weights, or a fresh init from an HF config)  ->  this rank's chunks
-    loop: global batch -> train_step -> log (stdout, tensorboard) -> eval -> save
+    checks without a model (start.py: --load rules; preflight.py: data, splits, positions, batch)
+    model (HF weights, a Megatron checkpoint's, or a fresh init)  ->  this rank's chunks (restore.py)
+    loop: global batch -> train_step -> NaN check -> log (stdout, tensorboard) -> eval -> save -> exit?
 
 Runs in one process or under torchrun (NCCL on GPUs, gloo on CPUs).  Resume: `--load DIR`
 restores model, optimizer, scheduler and RNG, and the data continues after the consumed samples.
+Stops (signals.py): --exit-signal-handler, --exit-interval, --exit-duration-in-mins save and
+return normally.  A NaN/inf step in fp32/bf16 raises NonFiniteError before anything is saved.
+One run per --save folder (lock.py).
 """
 from __future__ import annotations
 
@@ -104,9 +107,10 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from .lock import SaveLock
     from .signals import ExitConditions
     exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
-    cfg, start, source, device, gbs = _setup(cfg, run)
-    lock = SaveLock(run.save).acquire() if run.save else None
-    try:
+    lock = None
+    try:  # the signal handlers are in place from here: a SIGTERM during setup stops after the first step
+        cfg, start, source, device, gbs = _setup(cfg, run)
+        lock = SaveLock(run.save).acquire() if run.save else None
         return _train(cfg, run, start, source, device, gbs, exits)
     finally:
         exits.restore()
