@@ -63,14 +63,14 @@ def _staging(save):
         return False
 
 
-def _run_and_signal(root, save, sig, mid_save=False, timeout=120):
+def _run_and_signal(root, save, sig, mid_save=False, timeout=120, launcher=(), save_interval=1):
     """Start a run resuming from `save`; once it has logged a step, send `sig` -- at once, or
     (mid_save) as soon as a checkpoint's staging folder appears.  (exit status, output, whether
-    the signal landed during a save)."""
-    args = base_args(root, ITERS, *DROPOUT, "--save", save, "--load", save, "--save-interval", 1,
+    the signal landed during a save).  `launcher`: e.g. torchrun's arguments; the signal goes to it."""
+    args = base_args(root, ITERS, *DROPOUT, "--save", save, "--load", save, "--save-interval", save_interval,
                      "--exit-signal-handler")
-    proc = subprocess.Popen([sys.executable, "-m", "hf_megatron.cli", "train", *map(str, args)], env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, *(launcher or ["-m"]), "hf_megatron.cli", "train", *map(str, args)]
+    proc = subprocess.Popen(command, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, stepped = [], threading.Event()
 
     def read():
@@ -135,3 +135,25 @@ def test_exit_interval_and_duration_save_and_exit_zero(workspace, flag, value, r
     assert f"exiting at iteration {stopped_at}: {reason}" in out and _tracker(save) == stopped_at
     _resume(workspace, save)  # and the job goes on where it stopped
     assert_same_weights(weights(save, ITERS), weights(workspace / "straight", ITERS))
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_saves_on_every_rank_and_the_resumed_run_ends_equal(workspace):
+    from dist import free_port
+
+    def torchrun():
+        return ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m"]
+
+    def run(save, *extra):
+        args = base_args(workspace, ITERS, *DROPOUT, "--save", save, *extra)
+        result = subprocess.run([sys.executable, *torchrun(), "hf_megatron.cli", "train", *map(str, args)],
+                                env=env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    straight, save = workspace / "dp2_straight", workspace / "dp2"
+    run(straight)
+    _, out, _ = _run_and_signal(workspace, save, signal.SIGTERM, launcher=torchrun(), save_interval=1000)
+    stopped_at = _tracker(save)  # torchrun forwards the signal; both ranks finish the step and save
+    assert f"exiting at iteration {stopped_at}: received SIGTERM" in out and 0 < stopped_at < ITERS, out[-3000:]
+    run(save, "--load", save)
+    assert_same_weights(weights(save, ITERS), weights(straight, ITERS))

@@ -77,8 +77,10 @@ class NonFiniteError(HFMegatronError, FloatingPointError):
 
 
 def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
-    """A skipped step in fp32/bf16 (no loss scale to blame) or a non-finite loss: a NaN/inf step."""
-    return not cfg.fp16 and (stats["skipped"] or not math.isfinite(stats["loss"]))
+    """A skipped step in fp32/bf16 (no loss scale to blame): a NaN or inf in some gradient, which a
+    non-finite loss always leads to.  The optimizer's inf check is all-reduced, so every rank (every
+    pipeline stage, too, where only the last one sees the loss) decides alike."""
+    return not cfg.fp16 and stats["skipped"]
 
 
 def _number(value, spec: str) -> str:
@@ -120,21 +122,21 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
 
 def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
     from ..data.builder import build_gpt_datasets
-    from ..checkpoint.files import TRACKER
+    from ..checkpoint.files import TRACKER, read_tracker
     from .checkpoint import restore_rng, save_checkpoint
     from .preflight import used_splits
     from .restore import build_training_state
 
     grid = state.get_state()
+    if start.kind == "resume" and (saved := read_tracker(start.megatron_dir)) >= cfg.train_iters:
+        if _is_logger():  # said before the model is built, and nothing is written
+            print(f" {start.megatron_dir} is at iteration {saved}, which already reaches --train-iters "
+                  f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)", flush=True)
+        return {"iterations": saved, "already_done": True, "final_loss": None, "first_loss": None}
     chunks, optimizer, scheduler, restored = build_training_state(run, cfg, start, source, device, gbs)
     iteration, consumed = restored.iteration, restored.consumed_samples
     if _is_logger():
         print(f" {restored.source}", flush=True)
-    if iteration >= cfg.train_iters:
-        if _is_logger():
-            print(f" {start.megatron_dir} is at iteration {iteration}, which already reaches --train-iters "
-                  f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)", flush=True)
-        return {"iterations": iteration, "already_done": True, "final_loss": None, "first_loss": None}
     eval_samples = 0
     if run.eval_interval:
         eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
