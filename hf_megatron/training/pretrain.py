@@ -158,7 +158,10 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
         writer = SummaryWriter(run.tensorboard_dir)
 
     def save(at: int, loss) -> None:
-        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
+        # the data position also in `args`, where Megatron-LM reads it when it resumes our checkpoint
+        args = {"seq_length": run.seq_length, "consumed_train_samples": consumed, "global_batch_size": gbs,
+                "micro_batch_size": cfg.micro_batch_size}
+        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "loss": loss,
                                "train_tokens": consumed * run.seq_length})
 
