@@ -1,61 +1,162 @@
 """`hf-megatron train` as a user runs it: fresh init from a config.json, Megatron-layout checkpoints,
-and a resumed run (--load) that ends exactly where an uninterrupted run ends."""
+a resumed run (--load) that ends exactly where an uninterrupted run ends, fp16 with default flags,
+the --load rules, --train-samples, the checks done before the model is built and the --save lock."""
 import json
-import subprocess
-import sys
+import os
+import time
 
-import numpy as np
 import pytest
 
-from hf_megatron.data import IndexedDatasetWriter
-from tiny import VOCAB, tiny_config
+from train_cli import base_args, cli_inprocess, cli_subprocess, last_line, make_workspace
 
-
-def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "hf_megatron.cli", "train", *map(str, args)],
-                          capture_output=True, text=True, timeout=600, cwd=cwd)
+from hf_megatron.training.lock import LOCK_FILE, SaveLock
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train_cli")
-    rng = np.random.default_rng(0)
-    with IndexedDatasetWriter(str(root / "corpus_text_document"), dtype=np.uint16) as writer:
-        for _ in range(200):
-            writer.add_item(rng.integers(1, VOCAB, size=int(rng.integers(20, 80))))
-            writer.end_document()
-    tiny_config("llama").save_pretrained(root / "config")
-    return root
+    return make_workspace(tmp_path_factory.mktemp("train_cli"))
 
 
-def _train(root, save, iters, *extra):
-    return _cli("--hf-config", root / "config", "--data-path", root / "corpus_text_document", "--split", "90,10,0",
-                "--seq-length", 32, "--micro-batch-size", 2, "--global-batch-size", 4, "--train-iters", iters,
-                "--lr", 1e-3, "--lr-decay-iters", 6, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1,
-                "--log-interval", 1, "--save", save, *extra)
+def _train(root, save, iters, *extra, run=cli_inprocess):
+    return run(*base_args(root, iters, "--lr-decay-iters", 6, "--lr-decay-style", "cosine", "--lr-warmup-iters", 1,
+                          "--save", save, *extra))
+
+
+def _summary(folder):
+    return json.loads((folder / "training_summary.json").read_text())
+
+
+def _tracker(folder):
+    return (folder / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+def _error(result):
+    code, _, err = result
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    line = last_line(err)
+    assert line.startswith("hf-megatron train: error:") and len(err.strip().splitlines()) == 1, err
+    return line
 
 
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(workspace):
-    straight = _train(workspace, workspace / "straight", 6)
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    assert "iteration      6/6" in straight.stdout
-    first = _train(workspace, workspace / "resumed", 3)
-    assert first.returncode == 0, first.stderr[-2000:]
-    second = _train(workspace, workspace / "resumed", 6, "--load", workspace / "resumed")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "iteration      4/6" in second.stdout and "iteration      1/6" not in second.stdout
-    a = json.loads((workspace / "straight" / "training_summary.json").read_text())
-    b = json.loads((workspace / "resumed" / "training_summary.json").read_text())
+    code, out, err = _train(workspace, workspace / "straight", 6, run=cli_subprocess)  # once as a user types it
+    assert code == 0, err[-2000:]
+    assert "iteration      6/6" in out
+    code, _, err = _train(workspace, workspace / "resumed", 3)
+    assert code == 0, err[-2000:]
+    code, out, err = _train(workspace, workspace / "resumed", 6, "--load", workspace / "resumed")
+    assert code == 0, err[-2000:]
+    assert "iteration      4/6" in out and "iteration      1/6" not in out
+    a, b = _summary(workspace / "straight"), _summary(workspace / "resumed")
     assert a["iterations"] == b["iterations"] == 6
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-6)
+    assert b["consumed_samples"] == 24 and b["skipped_iterations"] == 0 and b["nan_iterations"] == 0
     for folder in ("straight", "resumed"):
-        assert (workspace / folder / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+        assert _tracker(workspace / folder) == "6"
         assert (workspace / folder / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt").is_file()
 
 
-def test_missing_data_is_a_one_line_error(workspace):
-    result = _cli("--hf-config", workspace / "config", "--data-path", workspace / "nope", "--train-iters", 1)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.strip().splitlines() if line]
-    assert lines[-1].startswith("hf-megatron train: error:") and "nope" in lines[-1]
-    assert "Traceback" not in result.stderr
+def test_a_load_that_already_reached_train_iters_says_so_and_writes_nothing(workspace):
+    folder = workspace / "done"
+    assert _train(workspace, folder, 3)[0] == 0
+    before = {p.name: p.stat().st_mtime_ns for p in folder.rglob("*")}
+    code, out, err = _train(workspace, folder, 2, "--load", folder)
+    assert code == 0, err
+    assert "already reaches --train-iters 2" in out and "iteration 3" in out
+    assert {p.name: p.stat().st_mtime_ns for p in folder.rglob("*") if p.name != LOCK_FILE} == \
+        {k: v for k, v in before.items() if k != LOCK_FILE}
+    assert _tracker(folder) == "3" and not (folder / "iter_0000002").exists()
+
+
+def test_fp16_with_default_flags_logs_skipped_steps_and_finishes(workspace):
+    # loss scale 2^32 overflows fp16 gradients: Megatron-LM skips those steps and lowers the scale
+    code, out, err = _train(workspace, workspace / "fp16", 4, "--fp16")
+    assert code == 0, err[-2000:]
+    assert out.count("| grad norm - |") == 4 and out.count("| skipped") == 4
+    assert _summary(workspace / "fp16")["skipped_iterations"] == 4
+    code, out, err = _train(workspace, workspace / "fp16_scaled", 4, "--fp16", "--initial-loss-scale", 64)
+    assert code == 0, err[-2000:]
+    assert "| skipped" not in out and _summary(workspace / "fp16_scaled")["skipped_iterations"] == 0
+    code, out, err = _train(workspace, workspace / "fp16_static", 2, "--fp16", "--loss-scale", 2.0 ** 40)
+    assert code == 0 and _summary(workspace / "fp16_static")["skipped_iterations"] == 2  # static: never lowered
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("missing", "no such folder; a --load without a checkpoint is accepted only when it is this run's --save"),
+    ("iter", "an iteration folder; give the checkpoint folder that holds latest_checkpointed_iteration.txt"),
+    ("empty", "not a Megatron checkpoint folder (no latest_checkpointed_iteration.txt)"),
+])
+def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_new_runs_save_folder(workspace, where, expected):
+    load = {"missing": workspace / "typo", "iter": workspace / "done" / "iter_0000003", "empty": workspace / "config"}
+    if where == "iter" and not load["iter"].exists():
+        _train(workspace, workspace / "done", 3)
+    line = _error(_train(workspace, workspace / f"new_{where}", 1, "--load", load[where]))
+    assert expected in line and str(load[where]) in line, line
+    assert not (workspace / f"new_{where}" / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_load_of_the_save_folder_starts_a_new_run_unless_exit_on_missing_checkpoint(workspace):
+    folder = workspace / "fresh_here"
+    line = _error(_train(workspace, folder, 1, "--load", folder, "--exit-on-missing-checkpoint"))
+    assert "--exit-on-missing-checkpoint" in line
+    code, out, _ = _train(workspace, folder, 1, "--load", folder)
+    assert code == 0 and "iteration      1/1" in out and _tracker(folder) == "1"
+
+
+def test_train_samples_and_warmup_fraction_follow_megatron(workspace):
+    # 14 samples // 4 per step = 3 steps; warmup 0.5 of the 4-step horizon = 2 steps: lr 0, lr/2, lr
+    code, out, err = cli_inprocess(*base_args(workspace, None, "--train-samples", 14, "--lr-warmup-fraction", 0.5,
+                                             "--lr-decay-iters", 4, "--save", workspace / "samples"))
+    assert code == 0, err
+    assert [line.split("| lr ")[1].split(" ")[0] for line in out.splitlines() if "| lr " in line] == \
+        ["0.000e+00", "5.000e-04", "1.000e-03"]
+    line = _error(cli_inprocess(*base_args(workspace, 2, "--train-samples", 8)))
+    assert "--train-iters (2) and --train-samples (8) are exclusive" in line
+    assert "expected --train-iters N or --train-samples N" in _error(cli_inprocess(*base_args(workspace, None)))
+
+
+def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(workspace):
+    folder = workspace / "gbs"
+    assert _train(workspace, folder, 2)[0] == 0
+    line = _error(_train(workspace, folder, 4, "--load", folder, "--global-batch-size", 8))
+    assert "the LR schedule differs from the checkpoint's" in line and "--override-opt_param-scheduler" in line
+    code, out, err = _train(workspace, folder, 4, "--load", folder, "--global-batch-size", 8,
+                            "--override-opt_param-scheduler")
+    assert code == 0, err
+    assert "iteration      3/4" in out and _summary(folder)["consumed_samples"] == 2 * 4 + 2 * 8
+
+
+def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
+    from tiny import tiny_config
+    tiny_config("gpt2").save_pretrained(tmp_path / "gpt2")  # learned positions
+    n_positions = json.loads((tmp_path / "gpt2" / "config.json").read_text())["n_positions"]
+    cases = [
+        (["--hf-config", tmp_path / "gpt2", "--seq-length", n_positions + 1],
+         f"--seq-length {n_positions + 1}: expected at most the model's {n_positions} positions"),
+        (["--split", "0,1,0"], "--split '0,1,0': the training split gets no share"),
+        (["--split", "999,1,0", "--eval-interval", 1],
+         "the valid split of"),
+        (["--data-path", workspace / "nope"], "nope"),
+        (["--global-batch-size", 5], "global_batch_size (--global-batch-size): expected a multiple of"),
+    ]
+    for extra, expected in cases:
+        started = time.perf_counter()
+        line = _error(cli_inprocess(*base_args(workspace, 1), *extra))
+        assert expected in line, line
+        assert time.perf_counter() - started < 2.0, (extra, "took too long: checked after building the model?")
+    # the test split is never read by `train`: Megatron's default split on a small corpus trains
+    code, _, err = cli_inprocess(*base_args(workspace, 1, split="969,30,1"))
+    assert code == 0, err
+
+
+def test_a_second_writer_of_a_save_folder_gets_a_clear_error(workspace):
+    folder = workspace / "locked"
+    lock = SaveLock(folder).acquire()  # another run holding the folder
+    try:
+        line = _error(_train(workspace, folder, 1))
+        assert f"--save {folder}: in use by another training run (pid {os.getpid()}" in line
+    finally:
+        lock.release()
+    (folder / LOCK_FILE).write_text("pid 999999999 on a-dead-host")  # left by a killed run: no flock held
+    code, _, err = _train(workspace, folder, 1)
+    assert code == 0, err

@@ -51,7 +51,7 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
                 kwargs["metavar"] = "{" + ",".join(meta["choices"]) + "}" if meta["choices"] else METAVARS.get(kind)
                 if not required and f.default is not None and "(default" not in meta["help"]:
                     kwargs["help"] += f" (default: {f.default})"
-            groups[meta["group"]].add_argument(flag_of(f.name), **kwargs)
+            groups[meta["group"]].add_argument(*meta.get("aliases", ()), flag_of(f.name), **kwargs)
 
 
 def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:

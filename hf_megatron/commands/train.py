@@ -5,6 +5,14 @@
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel --bf16 \\
         --lr 3e-5 --train-iters 1000 --save ckpt --save-interval 200
 
+Fine-tuning (Megatron-LM's flags and rules; README "Fine-tuning"):
+
+    hf-megatron train --pretrained-checkpoint base_ckpt --load ft --save ft --lr 1e-5 --train-iters 300 ...
+
+`--load` must hold a checkpoint, except when it is this run's `--save` folder (a new run starts
+fresh there, from --pretrained-checkpoint's weights when given): a typo never trains from scratch.
+--exit-signal-handler, --exit-interval and --exit-duration-in-mins save and exit with status 0.
+
 Flag names are Megatron-LM's; the flags are generated from the fields of RunConfig and
 TrainingConfig (hf_megatron/training/config.py), which also check every value.
 """
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigError
 from ..training.config import RunConfig, TrainingConfig
 from .flags import add_flags, configs_from_args
 
@@ -25,6 +34,8 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..training.pretrain import pretrain
+    if args.train_iters is None and args.train_samples is None:
+        raise ConfigError("TrainingConfig.train_iters (--train-iters): expected --train-iters N or --train-samples N")
     run_config, cfg = configs_from_args(args, RunConfig, TrainingConfig)
     summary = pretrain(cfg, run_config)
     return 0 if summary["iterations"] else 1

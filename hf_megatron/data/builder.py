@@ -78,7 +78,8 @@ def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache
 def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
                        num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
                        add_extra_token: bool = True, mid_level_surplus: float = 0.005,
-                       drop_last_partial_validation: bool = True, vocab_size: int | None = None):
+                       drop_last_partial_validation: bool = True, vocab_size: int | None = None,
+                       skip_splits: Sequence[str] = ()):
     """(train, valid, test) datasets; a split with a zero share is None.
 
     ``data``: a prefix, or a blend "w1 prefix1 w2 prefix2" / list / (prefixes, weights).
@@ -90,13 +91,15 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     (megatron's ``drop_last_partial_validation_sequence``).
     ``vocab_size``: when given, every token id must be below it (checked once per file, the result
     kept in ``cache_dir``).
+    ``skip_splits``: names ("valid", "test") not built, returned as None (a run that never reads them
+    must not fail on them).
     """
     prefixes, weights = parse_blend(data)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
     if cache_dir == "auto":
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
-    bookends = split_bookends(split)
+    bookends = [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(split))]
     extra = bool(add_extra_token)
     indexed = [_open(p) for p in prefixes]
     if vocab_size is not None:
@@ -139,7 +142,8 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     return tuple(result)
 
 
-def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size: int | None = None):
+def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size: int | None = None,
+                   skip_splits: Sequence[str] = ()):
     """(train, valid, test) for a run's dataset type: ``run`` is a training RunConfig (read by
     name: data_path, split, seq_length, data_cache_path, sft, sft_pack).  GPT pretraining
     windows by default, SFT response-only windows with ``--sft`` (data/sft.py).  ``vocab_size``:
@@ -148,8 +152,9 @@ def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size
         if len(run.data_path) != 1 or len(run.data_path[0].split()) != 1:
             raise DataError(f"--sft takes one --data-path prefix (an SFT dataset from `hf-megatron preprocess "
                             f"--sft`), got {run.data_path}; blends are not supported for SFT")
-        return build_sft_datasets(run.data_path[0], split_bookends(run.split), run.seq_length, seed, num_samples,
+        bookends = [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(run.split))]
+        return build_sft_datasets(run.data_path[0], bookends, run.seq_length, seed, num_samples,
                                   pack=getattr(run, "sft_pack", False))
     return build_gpt_datasets(run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,
                               seq_length=run.seq_length, seed=seed, num_samples=num_samples,
-                              cache_dir=run.data_cache_path or "auto", vocab_size=vocab_size)
+                              cache_dir=run.data_cache_path or "auto", vocab_size=vocab_size, skip_splits=skip_splits)

@@ -158,12 +158,53 @@ def _check_layout(saved_args: Any, path: Path) -> None:
                               f"pp={st.pp}; convert it first with `hf-megatron reshard --tp {st.tp} --pp {st.pp}`")
 
 
+SCHEDULER_SHAPE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
+
+
+def restore_scheduler(scheduler, saved: dict, path: Path, policy: str = "check") -> None:
+    """Megatron-LM's rule for a checkpoint's `opt_param_scheduler`: the step count always comes from
+    the checkpoint; the schedule's shape (peak and floor lr, warmup and decay in samples, style)
+    must equal the flags' (`policy="check"`, the default), or is taken from the flags
+    ("override": --override-opt_param-scheduler) or from the checkpoint ("checkpoint":
+    --use-checkpoint-opt_param-scheduler).  A changed global batch size changes the shape in
+    samples, so it is refused unless one of the two flags says which side wins."""
+    ours = scheduler.state_dict()
+    if policy == "check":
+        diff = [f"{k} {saved.get(k)!r} in the checkpoint vs {ours[k]!r} from the flags" for k in SCHEDULER_SHAPE
+                if k in saved and saved[k] != ours[k]]
+        if diff:
+            raise CheckpointError(f"{path}: the LR schedule differs from the checkpoint's ({'; '.join(diff)}); give "
+                                  "--override-opt_param-scheduler to use the flags' or "
+                                  "--use-checkpoint-opt_param-scheduler to use the checkpoint's")
+    n = scheduler.samples_per_iter
+    if policy == "checkpoint":
+        try:
+            scheduler.max_lr, scheduler.min_lr = float(saved["max_lr"]), float(saved["min_lr"])
+            scheduler.warmup_iters = float(saved["lr_warmup_steps"]) / n
+            scheduler.decay_iters = float(saved["lr_decay_steps"]) / n
+            scheduler.decay_style = str(saved["lr_decay_style"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: opt_param_scheduler lacks the schedule's shape ({', '.join(SCHEDULER_SHAPE)})"
+                                  "; --use-checkpoint-opt_param-scheduler cannot be used with it") from None
+    try:
+        scheduler.load_state_dict(saved)
+    except ValueError as exc:  # e.g. samples seen not a whole number of the new global batches
+        raise CheckpointError(f"{path}: {exc}") from None
+
+
 def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, scheduler=None,
-                    iteration: int | None = None, load_rng: bool = True, strict: bool = True) -> int:
-    """Restore model chunks (and optimizer, scheduler, RNG when given/saved); returns the iteration."""
+                    iteration: int | None = None, load_rng: bool = True, strict: bool = True,
+                    scheduler_policy: str = "load", info: dict | None = None) -> int:
+    """Restore model chunks (and optimizer, scheduler, RNG when given/saved); returns the iteration.
+
+    `scheduler_policy`: "load" takes the saved step count as is; "check" / "override" /
+    "checkpoint" apply Megatron-LM's shape rule (`restore_scheduler`).  `info`, when given, receives
+    the file's non-tensor entries (iteration, args, consumed_train_samples, ..., rng_state)."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     payload, iteration, path = read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
+    if info is not None:
+        info.update(info_entries(payload), rng_state=payload.get("rng_state"), path=path)
     _check_layout(payload.get("args"), path)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         if not isinstance(payload.get(key), dict):
@@ -183,15 +224,27 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
             optim_state = payload["optimizer"]
         else:
             raise CheckpointError(f"{path}: holds no optimizer state (a converted or weights-only checkpoint); "
-                                  f"load it without an optimizer")
+                                  f"load it without an optimizer (--finetune or --no-load-optim)")
         optimizer.load_state_dict(optim_state)
-    if scheduler is not None and "opt_param_scheduler" in payload:
-        scheduler.load_state_dict(payload["opt_param_scheduler"])
-    if load_rng and payload.get("rng_state"):
-        # Megatron stores a list (one entry per dp rank with --data-parallel-random-init, else one)
-        rng = payload["rng_state"] if isinstance(payload["rng_state"], list) else [payload["rng_state"]]
-        set_rng_state(rng[dp_rank] if dp_rank < len(rng) else rng[0])
+    if scheduler is not None and isinstance(payload.get("opt_param_scheduler"), dict):
+        if scheduler_policy == "load":
+            scheduler.load_state_dict(payload["opt_param_scheduler"])
+        else:
+            restore_scheduler(scheduler, payload["opt_param_scheduler"], path, scheduler_policy)
+    if load_rng:
+        restore_rng(payload.get("rng_state"))
     return 0 if iteration == "release" else int(iteration)
+
+
+def restore_rng(saved) -> bool:
+    """Set this rank's RNG streams from a file's `rng_state` entry; False when there is none.
+    Megatron stores a list (one entry per dp rank with --data-parallel-random-init, else one)."""
+    if not saved:
+        return False
+    rng = saved if isinstance(saved, list) else [saved]
+    dp_rank = _coords()[3]
+    set_rng_state(rng[dp_rank] if dp_rank < len(rng) else rng[0])
+    return True
 
 
 def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:

@@ -29,14 +29,15 @@ BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below"
 
 def option(default: Any = MISSING, *, help: str, group: str, choices: tuple | None = None,
            at_least: float | None = None, above: float | None = None, below: float | None = None,
-           cli_required: bool = False):
+           cli_required: bool = False, aliases: tuple[str, ...] = ()):
     """A dataclass field with what the CLI and the checks need to know about it.
 
     `at_least` / `above` / `below`: bounds (>=, >, <) checked by `check_fields`; None values are
     not checked (they mean "unset").  `cli_required`: the flag must be given on the command line
-    even though Python callers get the default."""
+    even though Python callers get the default.  `aliases`: more flag spellings (Megatron-LM's own,
+    e.g. --override-opt_param-scheduler)."""
     metadata = {"help": help, "group": group, "choices": choices, "at_least": at_least, "above": above,
-                "below": below, "cli_required": cli_required}
+                "below": below, "cli_required": cli_required, "aliases": aliases}
     return field(default=default, metadata=metadata)
 
 
@@ -81,10 +82,18 @@ class TrainingConfig:
         None, group="training", at_least=1,
         help="samples per optimizer step over all dp ranks, a multiple of micro batch x dp "
              "(default: micro batch x dp, one micro batch per step)")
-    train_iters: int = option(1, group="training", at_least=1, cli_required=True, help="optimizer steps to run")
+    train_iters: int | None = option(
+        None, group="training", at_least=1,
+        help="optimizer steps to run, counted over all runs of a resumed job (this or --train-samples)")
+    train_samples: int | None = option(
+        None, group="training", at_least=1,
+        help="samples to train on instead of --train-iters: steps = train_samples // global batch size")
     lr: float = option(1e-4, group="training", at_least=0.0, help="peak learning rate")
     min_lr: float = option(0.0, group="training", at_least=0.0, help="learning rate floor of the decay")
     lr_warmup_iters: int = option(0, group="training", at_least=0, help="linear warmup from 0 over this many steps")
+    lr_warmup_fraction: float | None = option(
+        None, group="training", at_least=0.0, below=1.0,
+        help="warmup over this fraction of the decay horizon instead of --lr-warmup-iters")
     lr_decay_iters: int | None = option(None, group="training", at_least=1,
                                         help="decay horizon in steps (default: --train-iters)")
     lr_decay_style: str = option("linear", group="training", choices=DECAY_STYLES, help="learning-rate decay")
@@ -128,8 +137,16 @@ class TrainingConfig:
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"TrainingConfig.global_batch_size (--global-batch-size): expected a multiple of "
                               f"--micro-batch-size {self.micro_batch_size}, got {self.global_batch_size}")
+        if self.train_iters is not None and self.train_samples is not None:
+            raise ConfigError(f"TrainingConfig: --train-iters ({self.train_iters}) and --train-samples "
+                              f"({self.train_samples}) are exclusive: give one")
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 1  # Python callers' default; the CLI asks for one of the two
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ConfigError(f"TrainingConfig: --lr-warmup-fraction ({self.lr_warmup_fraction}) and "
+                              f"--lr-warmup-iters ({self.lr_warmup_iters}) are exclusive: give one")
         horizon = self.lr_decay_iters or self.train_iters
-        if self.lr_decay_style != "constant" and horizon <= self.lr_warmup_iters:
+        if self.lr_decay_style != "constant" and horizon is not None and horizon <= self.warmup_iters:
             raise ConfigError(f"TrainingConfig.lr_warmup_iters (--lr-warmup-iters): expected fewer than the decay "
                               f"horizon {horizon} (--lr-decay-iters, else --train-iters), got {self.lr_warmup_iters}")
         if self.min_lr > self.lr:
@@ -138,6 +155,25 @@ class TrainingConfig:
             raise ConfigError("TrainingConfig.virtual_pipeline_model_parallel_size (--virtual-pipeline-model-"
                               "parallel-size): expected --pipeline-model-parallel-size > 1, got "
                               f"{self.virtual_pipeline_model_parallel_size} with pipeline size 1")
+
+    @property
+    def warmup_iters(self) -> float:
+        """Warmup steps W of the LR schedule: --lr-warmup-iters, or --lr-warmup-fraction x the decay
+        horizon (Megatron-LM's rule; then W may be fractional, lr = peak * n / W for n <= W)."""
+        if self.lr_warmup_fraction is None:
+            return self.lr_warmup_iters
+        return self.lr_warmup_fraction * (self.lr_decay_iters or self.train_iters or 0)
+
+    def for_global_batch(self, global_batch_size: int) -> "TrainingConfig":
+        """This config with --train-samples turned into --train-iters = train_samples // global batch
+        size (Megatron-LM's rule for a constant batch size)."""
+        if self.train_samples is None:
+            return self
+        iters = self.train_samples // global_batch_size
+        if iters < 1:
+            raise ConfigError(f"TrainingConfig.train_samples (--train-samples): expected at least one global "
+                              f"batch ({global_batch_size} samples), got {self.train_samples}")
+        return dataclasses.replace(self, train_iters=iters, train_samples=None)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -182,8 +218,41 @@ class RunConfig:
     save: str | None = option(None, group="checkpointing and logging", help="checkpoint folder to write")
     save_interval: int | None = option(None, group="checkpointing and logging", at_least=1,
                                        help="save every N steps (default: only at the end)")
-    load: str | None = option(None, group="checkpointing and logging",
-                              help="checkpoint folder to resume from (started fresh when it holds none)")
+    load: str | None = option(
+        None, group="checkpointing and logging",
+        help="checkpoint folder to resume from (the folder holding latest_checkpointed_iteration.txt); a missing "
+             "or empty folder is an error, except when it is this run's --save folder (a new run starts fresh)")
+    pretrained_checkpoint: str | None = option(
+        None, group="fine-tuning",
+        help="weights to fine-tune when --load holds no checkpoint yet: a Megatron checkpoint folder (also a "
+             "converted weights-only one), an HF folder or a Hub id; implies --finetune for that load")
+    finetune: bool = option(False, group="fine-tuning",
+                            help="load weights only: iteration 0, fresh optimizer, LR schedule and RNG")
+    no_load_optim: bool = option(False, group="fine-tuning",
+                                 help="on --load: fresh optimizer and, as Megatron-LM, fresh LR schedule")
+    no_load_rng: bool = option(False, group="fine-tuning", help="do not load the RNG state on --load")
+    override_opt_param_scheduler: bool = option(
+        False, group="fine-tuning", aliases=("--override-opt_param-scheduler",),
+        help="on --load, take the LR schedule's shape (lr, min lr, warmup, decay) from the flags, not the checkpoint")
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, group="fine-tuning", aliases=("--use-checkpoint-opt_param-scheduler",),
+        help="on --load, take the LR schedule's shape from the checkpoint (default: both must agree)")
+    hidden_dropout: float | None = option(None, group="fine-tuning", at_least=0.0, below=1.0,
+                                          help="dropout on embeddings and residual branches (default: the model's)")
+    attention_dropout: float | None = option(None, group="fine-tuning", at_least=0.0, below=1.0,
+                                             help="dropout on attention probabilities (default: the model's)")
+    exit_interval: int | None = option(None, group="exit", at_least=1,
+                                       help="save and exit 0 when the iteration is a multiple of N")
+    exit_duration_in_mins: float | None = option(None, group="exit", above=0.0,
+                                                 help="save and exit 0 after this many minutes of training")
+    exit_signal_handler: bool = option(False, group="exit",
+                                       help="on SIGTERM or SIGINT: finish the step, save, exit 0")
+    exit_on_missing_checkpoint: bool = option(
+        False, group="exit", help="with --load: fail when no checkpoint is found, even in the --save folder")
+    no_check_for_nan_in_loss_and_grad: bool = option(
+        False, group="exit",
+        help="fp32/bf16: do not stop at a non-finite loss or gradient (the step is skipped and counted instead); "
+             "fp16 always skips overflowing steps (loss scaling)")
     log_interval: int = option(10, group="checkpointing and logging", at_least=1, help="print every N steps")
     eval_interval: int | None = option(None, group="checkpointing and logging", at_least=1,
                                        help="evaluate on the valid split every N steps (default: never)")
@@ -195,10 +264,15 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if bool(self.hf_model) == bool(self.hf_config):
+        from_checkpoint = bool(self.pretrained_checkpoint or self.load)  # it can give the model's structure
+        if (self.hf_model and self.hf_config) or not (from_checkpoint or self.hf_model or self.hf_config):
             raise ConfigError("RunConfig: give exactly one of --hf-model (pretrained weights) or --hf-config "
                               f"(fresh init from a config.json), got hf_model={self.hf_model!r}, "
-                              f"hf_config={self.hf_config!r}")
+                              f"hf_config={self.hf_config!r} (with --load / --pretrained-checkpoint either may be "
+                              "left out: the checkpoint's own config is used)")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError("RunConfig: --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                              "are exclusive: give one")
         from ..data.builder import parse_blend, split_bookends
         # a bad --data-path blend or --split fails here, before any model is built
         _, weights = parse_blend(self.data_path)

@@ -1,11 +1,14 @@
 """The training loop behind `hf-megatron train` (Megatron-LM's `pretrain`, small).
 
-    data (.bin/.idx prefixes, blend, split)  ->  GPT datasets with cached indices
-    model (HF weights, or a fresh init from an HF config)  ->  this rank's chunks
-    loop: global batch -> train_step -> log (stdout, tensorboard) -> eval -> save
+    checks without a model (start.py: --load rules; preflight.py: data, splits, positions, batch)
+    model (HF weights, a Megatron checkpoint's, or a fresh init)  ->  this rank's chunks (restore.py)
+    loop: global batch -> train_step -> NaN check -> log (stdout, tensorboard) -> eval -> save -> exit?
 
 Runs in one process or under torchrun (NCCL on GPUs, gloo on CPUs).  Resume: `--load DIR`
 restores model, optimizer, scheduler and RNG, and the data continues after the consumed samples.
+Stops (signals.py): --exit-signal-handler, --exit-interval, --exit-duration-in-mins save and
+return normally.  A NaN/inf step in fp32/bf16 raises NonFiniteError before anything is saved.
+One run per --save folder (lock.py).
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, DataError
+from ..checkpoint.files import write_text_atomic
+from ..errors import ConfigError, DataError, HFMegatronError
 from ..parallel import state
 from . import trainer
 from .config import RunConfig  # noqa: F401  (re-exported: code imports it from here)
@@ -39,30 +43,18 @@ def init_distributed() -> torch.device:
     return device
 
 
-def _model_source(run: RunConfig):
-    if run.hf_model:
-        return run.hf_model  # RunConfig guarantees exactly one of hf_model / hf_config
-    from transformers import AutoConfig
-
-    from ..config import ModelConfig
-    path = Path(run.hf_config)
-    if not path.exists():
-        raise ConfigError(f"--hf-config {path}: no such file or folder")
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        reason = str(exc).partition("\n")[0]
-        raise ConfigError(f"--hf-config {path}: not a transformers config.json ({reason})") from None
-    return ModelConfig.from_hf(hf_config)
-
-
 def _global_batches(dataset, cfg: trainer.TrainingConfig, consumed: int, device):
-    """Yield this dp rank's micro batches of each global batch, on `device`: each sample's
-    seq_length + 1 tokens as seq_length inputs and seq_length aligned targets (data/loader.py)."""
+    """This dp rank's micro batches of each global batch, on `device`: each sample's seq_length + 1
+    tokens as seq_length inputs and seq_length aligned targets (data/loader.py).  The DataLoader
+    iterator is created here, at the call (it draws its base seed from torch's global generator,
+    which dropout uses too: a resume restores the RNG after this call)."""
     from ..data.loader import batch_iterator
     grid = state.get_state()
-    num_micro = cfg.num_micro_batches(grid.dp)
     iterator = batch_iterator(dataset, cfg.micro_batch_size, grid.rank_in("dp"), grid.dp, consumed)
+    return _grouped(iterator, cfg.num_micro_batches(grid.dp), device)
+
+
+def _grouped(iterator, num_micro: int, device):
     while True:
         micro = []
         for _ in range(num_micro):
@@ -79,33 +71,86 @@ def _is_logger() -> bool:
     return grid.coords["tp"] == 0 and grid.coords["dp"] == 0 and grid.coords["pp"] == grid.pp - 1
 
 
-def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
-    from ..data.builder import build_datasets
-    from .checkpoint import load_checkpoint, save_checkpoint
+class NonFiniteError(HFMegatronError, FloatingPointError):
+    """A NaN or inf in the loss or the gradients with --check-for-nan-in-loss-and-grad (the default for
+    fp32 and bf16): training stops before anything is saved, so the latest checkpoint stays the last good one."""
 
+
+def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
+    """A skipped step in fp32/bf16 (no loss scale to blame): a NaN or inf in some gradient, which a
+    non-finite loss always leads to.  The optimizer's inf check is all-reduced, so every rank (every
+    pipeline stage, too, where only the last one sees the loss) decides alike."""
+    return not cfg.fp16 and stats["skipped"]
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)  # a skipped step has no grad norm
+
+
+def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
+    """Everything that can fail without a model, then the model: (cfg, start, source, device, gbs)."""
+    from .preflight import check_data, check_model_fits
+    from .start import model_source, plan_start
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
     from ..checkpoint.checksums import set_checksums
     set_checksums(False if run.no_checkpoint_checksums else None)
+    start = plan_start(run)
+    check_data(run)
+    source, model_config = model_source(run, start)
+    check_model_fits(run, model_config)
     device = init_distributed()
     trainer.setup_parallel(cfg)
     grid = state.get_state()
-    chunks = trainer.build_model(_model_source(run), cfg, device=device)
-    optimizer = trainer.build_optimizer(chunks, cfg)
-    scheduler = trainer.build_scheduler(optimizer, cfg)
-    gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
+    gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)  # divisibility checked here
+    return cfg.for_global_batch(gbs), start, source, device, gbs
 
-    iteration = 0
-    if run.load and (Path(run.load) / "latest_checkpointed_iteration.txt").is_file():
-        iteration = load_checkpoint(run.load, chunks, optimizer, scheduler)
+
+def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
+    from .lock import SaveLock
+    from .signals import ExitConditions
+    exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
+    lock = None
+    try:  # the signal handlers are in place from here: a SIGTERM during setup stops after the first step
+        cfg, start, source, device, gbs = _setup(cfg, run)
+        lock = SaveLock(run.save).acquire() if run.save else None
+        return _train(cfg, run, start, source, device, gbs, exits)
+    finally:
+        exits.restore()
+        if lock:
+            lock.release()
+
+
+def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
+    from ..checkpoint.files import TRACKER, read_tracker
+    from ..data.builder import build_datasets
+    from .checkpoint import restore_rng, save_checkpoint
+    from .preflight import used_splits
+    from .restore import build_training_state
+
+    grid = state.get_state()
+    if start.kind == "resume" and (saved := read_tracker(start.megatron_dir)) >= cfg.train_iters:
+        if _is_logger():  # said before the model is built, and nothing is written
+            print(f" {start.megatron_dir} is at iteration {saved}, which already reaches --train-iters "
+                  f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)", flush=True)
+        return {"iterations": saved, "already_done": True, "final_loss": None, "first_loss": None}
+    chunks, optimizer, scheduler, restored = build_training_state(run, cfg, start, source, device, gbs)
+    iteration, consumed = restored.iteration, restored.consumed_samples
+    if _is_logger():
+        print(f" {restored.source}", flush=True)
     eval_samples = 0
     if run.eval_interval:
         eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
-    train_ds, valid_ds, _ = build_datasets(run, cfg.seed, (cfg.train_iters * gbs, eval_samples or None, None),
-                                           vocab_size=chunks[0].config.vocab_size)
+    train_ds, valid_ds, _ = build_datasets(
+        run, cfg.seed,
+        (max(cfg.train_iters * gbs, consumed + (cfg.train_iters - iteration) * gbs), eval_samples or None, None),
+        vocab_size=chunks[0].config.vocab_size,
+        skip_splits=[name for name in ("valid", "test") if name not in used_splits(run)])
     if train_ds is None:
         raise DataError(f"--split {run.split!r} gives the training split no documents")
+    batches = _global_batches(train_ds, cfg, consumed, device)  # draws from the global RNG: restore after it
+    restore_rng(restored.rng_state)
 
     writer = None
     if run.tensorboard_dir and _is_logger():
@@ -113,12 +158,15 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
         writer = SummaryWriter(run.tensorboard_dir)
 
     def save(at: int, loss) -> None:
-        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
-                        extra={"consumed_train_samples": at * gbs, "loss": loss,
-                               "train_tokens": at * gbs * run.seq_length})
+        # the data position also in `args`, where Megatron-LM reads it when it resumes our checkpoint
+        args = {"seq_length": run.seq_length, "consumed_train_samples": consumed, "global_batch_size": gbs,
+                "micro_batch_size": cfg.micro_batch_size}
+        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
+                        extra={"consumed_train_samples": consumed, "loss": loss,
+                               "train_tokens": consumed * run.seq_length})
 
-    batches = _global_batches(train_ds, cfg, iteration * gbs, device)
-    history, last = [], {}
+    counters = {"skipped_iterations": 0, "nan_iterations": 0}
+    history, last, saved_at, exit_reason = [], {}, None, None
     window_start, window_tokens = time.perf_counter(), 0
     while iteration < cfg.train_iters:
         micro = next(batches, None)
@@ -126,6 +174,18 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
             break
         stats = trainer.train_step(chunks, optimizer, scheduler, micro)
         iteration += 1
+        consumed += gbs
+        counters["skipped_iterations"] += int(stats["skipped"])
+        counters["nan_iterations"] += int(_non_finite(stats, cfg))
+        stats.update(counters, iteration=iteration, consumed_samples=consumed)
+        if _non_finite(stats, cfg) and not run.no_check_for_nan_in_loss_and_grad:
+            tracker = Path(run.save or "", TRACKER)
+            kept = f"latest checkpoint: iteration {tracker.read_text().strip()}" if run.save and tracker.is_file() \
+                else "no checkpoint saved"
+            what = f"the loss is {stats['loss']}" if not math.isfinite(stats["loss"]) else \
+                f"the gradients are not finite (loss {stats['loss']:.4g})"
+            raise NonFiniteError(f"iteration {iteration}: {what}; stopped by --check-for-nan-in-loss-and-grad, "
+                                 f"nothing saved after it ({kept})")
         window_tokens += stats["num_tokens"]
         history.append(stats["loss"])
         last = stats
@@ -137,7 +197,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
             elapsed = time.perf_counter() - window_start
             if _is_logger():
                 print(f" iteration {iteration:6d}/{cfg.train_iters} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e}"
-                      f" | grad norm {stats['grad_norm']:.3f} | tokens/s {window_tokens / max(elapsed, 1e-9):,.0f}"
+                      f" | grad norm {_number(stats['grad_norm'], '.3f')} | tokens/s {window_tokens / max(elapsed, 1e-9):,.0f}"
                       f"{' | skipped' if stats['skipped'] else ''}", flush=True)
             window_start, window_tokens = time.perf_counter(), 0
         if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
@@ -148,12 +208,20 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
                 writer.add_scalar("valid/loss", val, iteration)
         if run.save and run.save_interval and iteration % run.save_interval == 0:
             save(iteration, stats["loss"])
+            saved_at = iteration
+        exit_reason = exits.reason(iteration)
+        if exit_reason:
+            break
     summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
-               "tokens": iteration * gbs * run.seq_length, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
-    if run.save and (not run.save_interval or iteration % run.save_interval):
+               "tokens": consumed * run.seq_length, "consumed_samples": consumed, **counters,
+               "exit_reason": exit_reason, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+    if run.save and saved_at != iteration and iteration > restored.iteration:  # never a copy of what was loaded
         save(iteration, last.get("loss"))
+    if exit_reason and _is_logger():
+        print(f" exiting at iteration {iteration}: {exit_reason}" + (f" (saved to {run.save})" if run.save else ""),
+              flush=True)
     if run.save and _is_logger():
-        Path(run.save, "training_summary.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(Path(run.save, "training_summary.json"), json.dumps(summary, indent=2))
     if writer:
         writer.close()
     return summary

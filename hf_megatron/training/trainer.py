@@ -69,7 +69,7 @@ def build_optimizer(chunks, cfg: TrainingConfig) -> MixedPrecisionOptimizer:
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig) -> LRScheduler:
-    return LRScheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.lr_decay_iters or cfg.train_iters,
+    return LRScheduler(optimizer, cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.train_iters,
                        cfg.lr_decay_style, samples_per_iter=cfg.micro_batch_size * state.get_state().dp
                        * cfg.num_micro_batches())
 

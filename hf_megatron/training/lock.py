@@ -1,0 +1,61 @@
+"""One training run per --save folder: `<save>/.hf_megatron.lock`, held with flock(2) for the run.
+
+Two runs writing one folder would interleave their checkpoints and trackers.  The lock is an
+advisory exclusive flock on a small file in the folder; the kernel drops it when its holder
+exits however it exits (SIGKILL included), so a lock left by a dead process is simply taken
+over -- the file's text (pid, host) only serves the error message of a second writer.  The
+file is never deleted: unlinking it could let a waiting run lock a fresh inode beside it.
+Under torch.distributed only global rank 0 takes the lock; every rank gets the verdict.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..errors import CheckpointError
+
+LOCK_FILE = ".hf_megatron.lock"
+
+
+class SaveLock:
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder, self.path, self._fd = Path(folder), Path(folder) / LOCK_FILE, None
+
+    def _try(self) -> str | None:
+        """Take the lock; the reason it is not free, or None."""
+        import fcntl
+        if self.folder.exists() and not self.folder.is_dir():
+            return f"--save {self.folder}: expected a folder, found a file"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            return f"--save {self.folder}: cannot create the lock file ({exc.strerror})"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            return (f"--save {self.folder}: in use by another training run ({holder}; lock {self.path}); "
+                    "wait for it to finish or give another --save folder")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        self._fd = fd
+        return None
+
+    def acquire(self) -> "SaveLock":
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        verdict = [self._try() if not distributed or dist.get_rank() == 0 else None]
+        if distributed:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise CheckpointError(verdict[0])
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None

@@ -1,0 +1,46 @@
+"""Checks of a training run that need no model: done before the model is built (seconds, not the
+minutes a large model takes to load), on every rank alike, each failing with one line.
+
+* every --data-path prefix opens (.idx and .bin exist, header valid);
+* the splits the run reads (train; valid when --eval-interval is set) get at least one sample's
+  worth of tokens from every prefix -- the test split is never read by `train`, so it is not checked
+  (nor built);
+* --seq-length fits a model with learned absolute positions (rotary models extrapolate).
+Batch divisibility is TrainingConfig.num_micro_batches', checked when the global batch is computed.
+"""
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..data.builder import SPLITS, parse_blend, split_bookends
+from ..data.indexed import IndexedDataset
+from ..errors import ConfigError, DataError
+from .config import RunConfig
+
+
+def used_splits(run: RunConfig) -> tuple[str, ...]:
+    return ("train", "valid") if run.eval_interval else ("train",)
+
+
+def check_data(run: RunConfig) -> None:
+    prefixes, _ = parse_blend(run.data_path if len(run.data_path) > 1 else run.data_path[0])
+    bookends = split_bookends(run.split)
+    if bookends[0] is None:
+        raise DataError(f"--split {run.split!r}: the training split gets no share")
+    for prefix in prefixes:
+        indexed = IndexedDataset(prefix)  # a missing or broken file: one line naming it
+        count = len(indexed)
+        for name, ends in zip(SPLITS, bookends):
+            if name not in used_splits(run) or ends is None:
+                continue
+            begin, end = int(round(ends[0] * float(count))), int(round(ends[1] * float(count)))
+            tokens = int(indexed.sequence_lengths[begin:end].sum(dtype="int64"))
+            if tokens < 2:  # a sample needs its seq_length tokens + 1 target, wrapping over epochs
+                raise DataError(f"--split {run.split!r}: the {name} split of {prefix} gets sequences {begin}..{end} "
+                                f"of {count} ({tokens} tokens), too few for one sample; give it a larger share "
+                                f"or more data")
+
+
+def check_model_fits(run: RunConfig, config: ModelConfig) -> None:
+    if config.position_embedding_type == "learned_absolute" and run.seq_length > config.max_position_embeddings:
+        raise ConfigError(f"--seq-length {run.seq_length}: expected at most the model's {config.max_position_embeddings} "
+                          "positions (max_position_embeddings / n_positions of its config)")
