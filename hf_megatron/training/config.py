@@ -178,6 +178,18 @@ class RunConfig:
     eval_iters: int = option(10, group="checkpointing and logging", at_least=1,
                              help="global batches per evaluation")
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
+    tokenizer_model: str | None = option(None, group="monitoring",
+                                         help="tokenizer for text samples: HF folder, Hub id or SentencePiece "
+                                              ".model (default: the --hf-model / --hf-config folder's, if any)")
+    sample_prompt: str | None = option(None, group="monitoring",
+                                       help="at each evaluation, continue this text and log it (default: no samples)")
+    sample_tokens: int = option(32, group="monitoring", at_least=1, help="tokens generated per text sample")
+    sample_temperature: float = option(0.0, group="monitoring", at_least=0.0,
+                                       help="sampling temperature of the text samples; 0 = greedy")
+    peak_tflops: float | None = option(None, group="monitoring", above=0.0,
+                                       help="peak TFLOP/s per GPU for MFU (default: looked up by GPU name and precision)")
+    no_progress_bar: bool = option(False, group="monitoring",
+                                   help="no tqdm progress bar (it is shown only when stdout is a terminal)")
 
     def __post_init__(self) -> None:
         check_fields(self)

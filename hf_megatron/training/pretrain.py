@@ -10,9 +10,7 @@ restores model, optimizer, scheduler and RNG, and the data continues after the c
 from __future__ import annotations
 
 import json
-import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +80,11 @@ def _is_logger() -> bool:
 def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from ..data.builder import build_gpt_datasets
     from .checkpoint import load_checkpoint, save_checkpoint
+    from .monitor import Monitor
+    from .sampling import sampler_for_run
 
+    monitor = Monitor(cfg, run)  # the banner, before anything slow
+    sampler, why_not = sampler_for_run(run, cfg.seed)  # a bad --tokenizer-model fails here, early
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
@@ -92,6 +94,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     chunks = trainer.build_model(_model_source(run), cfg, device=device)
     optimizer = trainer.build_optimizer(chunks, cfg)
     scheduler = trainer.build_scheduler(optimizer, cfg)
+    monitor.model_built(chunks, optimizer)
     gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
 
     iteration = 0
@@ -107,10 +110,9 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     if train_ds is None:
         raise DataError(f"--split {run.split!r} gives the training split no documents")
 
-    writer = None
-    if run.tensorboard_dir and _is_logger():
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(run.tensorboard_dir)
+    if why_not:
+        monitor.note(why_not)
+    monitor.start(iteration, gbs)
 
     def save(at: int, loss) -> None:
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
@@ -119,43 +121,30 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
 
     batches = _global_batches(train_ds, cfg, iteration * gbs, device)
     history, last = [], {}
-    window_start, window_tokens = time.perf_counter(), 0
     while iteration < cfg.train_iters:
         micro = next(batches, None)
         if micro is None:
             break
         stats = trainer.train_step(chunks, optimizer, scheduler, micro)
         iteration += 1
-        window_tokens += stats["num_tokens"]
         history.append(stats["loss"])
         last = stats
-        if writer:
-            for key in ("loss", "lr", "grad_norm", "loss_scale"):
-                if stats.get(key) is not None:
-                    writer.add_scalar(f"train/{key}", stats[key], iteration)
-        if iteration % run.log_interval == 0 or iteration == cfg.train_iters:
-            elapsed = time.perf_counter() - window_start
-            if _is_logger():
-                print(f" iteration {iteration:6d}/{cfg.train_iters} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e}"
-                      f" | grad norm {stats['grad_norm']:.3f} | tokens/s {window_tokens / max(elapsed, 1e-9):,.0f}"
-                      f"{' | skipped' if stats['skipped'] else ''}", flush=True)
-            window_start, window_tokens = time.perf_counter(), 0
+        monitor.step(iteration, stats)
         if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
-            val = _evaluate(chunks, valid_ds, cfg, run, device)
-            if _is_logger():
-                print(f" validation at iteration {iteration} | loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}", flush=True)
-            if writer:
-                writer.add_scalar("valid/loss", val, iteration)
+            monitor.validation(iteration, _evaluate(chunks, valid_ds, cfg, run, device))
+            if sampler is not None:
+                monitor.sample(iteration, sampler.prompt, sampler(chunks, iteration))
         if run.save and run.save_interval and iteration % run.save_interval == 0:
-            save(iteration, stats["loss"])
+            with monitor.saving(iteration):
+                save(iteration, stats["loss"])
     summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
                "tokens": iteration * gbs * run.seq_length, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
     if run.save and (not run.save_interval or iteration % run.save_interval):
-        save(iteration, last.get("loss"))
+        with monitor.saving(iteration):
+            save(iteration, last.get("loss"))
     if run.save and _is_logger():
         Path(run.save, "training_summary.json").write_text(json.dumps(summary, indent=2))
-    if writer:
-        writer.close()
+    monitor.finish()
     return summary
 
 
