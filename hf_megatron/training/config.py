@@ -203,3 +203,56 @@ class RunConfig:
         if weights is not None and not all(w > 0 for w in weights):
             _fail(self, "data_path", "positive blend weights in 'w1 prefix1 w2 prefix2 ...'", self.data_path)
         split_bookends(self.split)
+
+
+def same_as(cls: type, name: str):
+    """Field `name` of dataclass `cls` declared again in another config: one default, help text,
+    flag group and set of bounds for both (the annotation is still written at the new place)."""
+    original = cls.__dataclass_fields__[name]
+    return field(default=original.default, metadata=original.metadata)
+
+
+EVAL_SPLITS = ("train", "valid", "test")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """`hf-megatron evaluate`: the loss and perplexity of a model on one split of a dataset."""
+
+    load: str | None = option(None, group="model",
+                              help="Megatron checkpoint folder to score, saved in any layout (this or --hf-model)")
+    hf_model: str | None = option(None, group="model", help="HF folder or Hub id to score (this or --load)")
+    data_path: list[str] = same_as(RunConfig, "data_path")
+    split: str = same_as(RunConfig, "split")
+    eval_split: str = option("valid", group="data", choices=EVAL_SPLITS,
+                             help="the split to score; a held-out prefix of its own: --split 0,1,0")
+    seq_length: int | None = option(None, group="data", at_least=2,
+                                    help="tokens per sample (default: the checkpoint's training --seq-length, "
+                                         "else the smaller of 1024 and the model's positions)")
+    data_cache_path: str | None = same_as(RunConfig, "data_cache_path")
+    eval_iters: int | None = option(None, group="data", at_least=1,
+                                    help="global batches to score, from the split's start as training's "
+                                         "validation takes them (default: every full global batch)")
+    micro_batch_size: int = same_as(TrainingConfig, "micro_batch_size")
+    global_batch_size: int | None = same_as(TrainingConfig, "global_batch_size")
+    tensor_model_parallel_size: int = same_as(TrainingConfig, "tensor_model_parallel_size")
+    pipeline_model_parallel_size: int = same_as(TrainingConfig, "pipeline_model_parallel_size")
+    virtual_pipeline_model_parallel_size: int | None = same_as(TrainingConfig, "virtual_pipeline_model_parallel_size")
+    sequence_parallel: bool = same_as(TrainingConfig, "sequence_parallel")
+    bf16: bool = same_as(TrainingConfig, "bf16")
+    fp16: bool = same_as(TrainingConfig, "fp16")
+    seed: int = same_as(TrainingConfig, "seed")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if bool(self.load) == bool(self.hf_model):
+            raise ConfigError("EvalConfig: give exactly one of --load (a Megatron checkpoint) or --hf-model (an HF "
+                              f"folder or Hub id), got load={self.load!r}, hf_model={self.hf_model!r}")
+        from ..data.builder import split_bookends
+        if split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
+            _fail(self, "split", f"a non-zero share for the {self.eval_split} split (--eval-split)", self.split)
+
+    def training_config(self) -> TrainingConfig:
+        """The layout, precision and batch fields as the TrainingConfig that builds and runs the model."""
+        names = {f.name for f in dataclasses.fields(TrainingConfig)}
+        return TrainingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names})
