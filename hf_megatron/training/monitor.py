@@ -328,7 +328,7 @@ class Monitor:
         try:
             from .plot import write_loss_curve
         except ImportError as exc:
-            self.print(f"loss curve: skipped ({exc.name or 'matplotlib'} is not installed)")
+            self.print(f"loss curve: skipped ({(exc.name or 'matplotlib').split('.')[0]} is not installed)")
             return None
         path = write_loss_curve(os.path.join(folder, "loss_curve.png"), self.train_curve, self.valid_curve)
         self.print(f"loss curve: {path}")

@@ -51,20 +51,24 @@ def flops_per_iteration(config, n_matmul: int, tokens: int, seq_length: int) -> 
     return 6.0 * n_matmul * tokens + 12.0 * config.num_layers * attention_width * seq_length * tokens
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
-    """(peak TFLOP/s of this GPU at `dtype`, its name), None when not known."""
-    if device.type != "cuda":
-        return None, "cpu"
-    name = torch.cuda.get_device_name(device)
+def peak_for_gpu(name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """Datasheet peak TFLOP/s of the GPU called `name` at `dtype` (TF32 tensor cores: half the
+    bf16 rate), None when the name is not in the table."""
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100", "A10G" before "A10"
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
             tensor, fp32 = PEAK_TFLOPS[key]
             if dtype in (torch.bfloat16, torch.float16):
-                return tensor, name
-            if torch.backends.cuda.matmul.allow_tf32:  # TF32 tensor cores: half the bf16 rate
-                return tensor / 2, name
-            return fp32, name
-    return None, name
+                return tensor
+            return tensor / 2 if tf32 else fp32
+    return None
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(peak TFLOP/s of this device at `dtype` or None, the device's name)."""
+    if device.type != "cuda":
+        return None, "cpu"
+    name = torch.cuda.get_device_name(device)
+    return peak_for_gpu(name, dtype, tf32=torch.backends.cuda.matmul.allow_tf32), name
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
