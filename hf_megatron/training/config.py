@@ -223,7 +223,8 @@ class EvalConfig:
                               help="Megatron checkpoint folder to score, saved in any layout (this or --hf-model)")
     hf_model: str | None = option(None, group="model", help="HF folder or Hub id to score (this or --load)")
     data_path: list[str] = same_as(RunConfig, "data_path")
-    split: str = same_as(RunConfig, "split")
+    split: str | None = option(None, group="data", help="train,valid,test shares of the documents "
+                                                        "(default: the checkpoint's training --split, else 969,30,1)")
     eval_split: str = option("valid", group="data", choices=EVAL_SPLITS,
                              help="the split to score; a held-out prefix of its own: --split 0,1,0")
     seq_length: int | None = option(None, group="data", at_least=2,
@@ -231,17 +232,21 @@ class EvalConfig:
                                          "else the smaller of 1024 and the model's positions)")
     data_cache_path: str | None = same_as(RunConfig, "data_cache_path")
     eval_iters: int | None = option(None, group="data", at_least=1,
-                                    help="global batches to score, from the split's start as training's "
-                                         "validation takes them (default: every full global batch)")
+                                    help="global batches to score, from the split's start as training's validation "
+                                         "takes them (default: the checkpoint's training --eval-iters for the valid "
+                                         "split, else every full global batch)")
     micro_batch_size: int = same_as(TrainingConfig, "micro_batch_size")
-    global_batch_size: int | None = same_as(TrainingConfig, "global_batch_size")
+    global_batch_size: int | None = option(None, group="training", at_least=1,
+                                           help="samples per evaluation step over all dp ranks (default: the "
+                                                "checkpoint's training --global-batch-size, else micro batch x dp)")
     tensor_model_parallel_size: int = same_as(TrainingConfig, "tensor_model_parallel_size")
     pipeline_model_parallel_size: int = same_as(TrainingConfig, "pipeline_model_parallel_size")
     virtual_pipeline_model_parallel_size: int | None = same_as(TrainingConfig, "virtual_pipeline_model_parallel_size")
     sequence_parallel: bool = same_as(TrainingConfig, "sequence_parallel")
     bf16: bool = same_as(TrainingConfig, "bf16")
     fp16: bool = same_as(TrainingConfig, "fp16")
-    seed: int = same_as(TrainingConfig, "seed")
+    seed: int | None = option(None, group="training", at_least=0,
+                              help="seed of the data shuffling (default: the checkpoint's training --seed, else 1234)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -249,10 +254,20 @@ class EvalConfig:
             raise ConfigError("EvalConfig: give exactly one of --load (a Megatron checkpoint) or --hf-model (an HF "
                               f"folder or Hub id), got load={self.load!r}, hf_model={self.hf_model!r}")
         from ..data.builder import split_bookends
-        if split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
+        if self.split is not None and split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
             _fail(self, "split", f"a non-zero share for the {self.eval_split} split (--eval-split)", self.split)
+
+    def with_recorded(self, recorded: dict) -> "EvalConfig":
+        """Unset data fields filled from a training checkpoint's args (Megatron-LM's names), then
+        from training's defaults; the run's --eval-iters only when scoring the valid split."""
+        names = ("split", "seed", "seq_length", "global_batch_size") + (("eval_iters",) if self.eval_split == "valid" else ())
+        fallback = {"split": RunConfig.__dataclass_fields__["split"].default, "seed": TrainingConfig.seed}
+        values = {n: recorded.get(n) if recorded.get(n) is not None else fallback.get(n)
+                  for n in names if getattr(self, n) is None}
+        return dataclasses.replace(self, **values)
 
     def training_config(self) -> TrainingConfig:
         """The layout, precision and batch fields as the TrainingConfig that builds and runs the model."""
         names = {f.name for f in dataclasses.fields(TrainingConfig)}
-        return TrainingConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names})
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+        return TrainingConfig(**{k: v for k, v in values.items() if v is not None})

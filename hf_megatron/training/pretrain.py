@@ -115,7 +115,10 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     monitor.start(iteration, gbs)
 
     def save(at: int, loss) -> None:
-        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args={"seq_length": run.seq_length},
+        # Megatron-LM's arg names; `hf-megatron evaluate` rebuilds this run's validation data from them
+        recorded = {"seq_length": run.seq_length, "split": run.split, "seed": cfg.seed, "train_iters": cfg.train_iters,
+                    "eval_interval": run.eval_interval, "eval_iters": run.eval_iters, "global_batch_size": gbs}
+        save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=recorded,
                         extra={"consumed_train_samples": at * gbs, "loss": loss,
                                "train_tokens": at * gbs * run.seq_length})
 
