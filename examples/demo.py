@@ -98,9 +98,10 @@ def main() -> int:
     summary = json.loads((out / "checkpoint" / "training_summary.json").read_text())
 
     step("4. evaluate the checkpoint on the validation split, in one process")
+    # split, seed, sequence length, batch and eval iters come from the checkpoint: the same loss as
+    # the run's last validation, here with the tp=2 weights in one process
     run([py, "-m", "hf_megatron.cli", "evaluate", "--load", str(out / "checkpoint"),
-         "--data-path", str(out / "data" / "stdlib_text_document"), "--split", "98,2,0", "--eval-iters", "4",
-         "--micro-batch-size", "16", "--global-batch-size", "16"], env=env)
+         "--data-path", str(out / "data" / "stdlib_text_document"), "--micro-batch-size", "16"], env=env)
 
     step("5. convert the Megatron checkpoint to a Hugging Face folder")
     run([py, "-m", "hf_megatron.cli", "convert", "megatron-to-hf", "--megatron", str(out / "checkpoint"),
