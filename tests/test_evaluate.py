@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_megatron.cli import main
+from hf_megatron.parallel import state
 from test_monitor import GBS, SEQ, make_corpus, train_cli
 from tiny import tiny_config, tiny_hf_model
 
@@ -65,16 +66,20 @@ def test_evaluate_in_another_layout_under_torchrun(trained, layout):
     assert result["lm_loss"] == pytest.approx(validation, rel=1e-5)
 
 
-def test_evaluate_hf_folder_equals_transformers_loss(trained, tmp_path):
+def test_evaluate_hf_folder_equals_transformers_loss(trained, tmp_path, capsys):
     """--hf-model on a whole held-out split ("--split 0,1,0"): transformers' mean loss per global batch."""
     from hf_megatron.data.builder import build_gpt_datasets
     root, _ = trained
     hf = tiny_hf_model("llama").eval()
     hf.save_pretrained(tmp_path / "hf")
     prefix = root / "corpus_text_document"
-    result = evaluate_cli("--hf-model", tmp_path / "hf", "--data-path", prefix, "--split", "0,1,0",
-                          "--seq-length", SEQ, "--micro-batch-size", 4, "--global-batch-size", 8,
-                          "--eval-iters", 3, "--data-cache-path", tmp_path / "cache")
+    args = ["evaluate", "--hf-model", tmp_path / "hf", "--data-path", prefix, "--split", "0,1,0", "--seq-length", SEQ,
+            "--micro-batch-size", 4, "--global-batch-size", 8, "--eval-iters", 3, "--data-cache-path", tmp_path / "cache"]
+    try:  # in this process: the same CLI entry point, without a second interpreter start
+        assert main([str(a) for a in args]) == 0
+    finally:
+        state.reset()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     _, valid, _ = build_gpt_datasets(str(prefix), split="0,1,0", seq_length=SEQ, num_samples=(None, 24, None),
                                      cache_dir=str(tmp_path / "cache"))
     losses = []
