@@ -235,3 +235,32 @@ def test_peak_lookup_by_gpu_name():
     assert peak_for_gpu("NVIDIA A100-SXM4-80GB", fp32, tf32=True) == 156.0
     assert peak_for_gpu("Tesla T4", bf16) is None
 
+
+
+def test_log_counts_skipped_and_nan_steps_and_survives_a_none_grad_norm(tmp_path):
+    """fp16 overflow steps come with grad_norm None; the loop may also pass its own running totals."""
+    from hf_megatron.config import ModelConfig
+    from hf_megatron.loading import build_model
+    from hf_megatron.parallel import state
+    state.reset()
+    monitor = _monitor(tmp_path, log_interval=3)
+    monitor.model_built([build_model(ModelConfig.from_hf(tiny_config("llama")))])
+    monitor.start(0, GBS)
+    steps = [{"loss": 5.0, "grad_norm": None, "skipped": True, "lr": 1e-3, "loss_scale": 2.0 ** 32},
+             {"loss": float("nan"), "grad_norm": None, "skipped": True, "lr": 1e-3, "loss_scale": 2.0 ** 31},
+             {"loss": 4.0, "grad_norm": 1.0, "skipped": False, "lr": 1e-3, "loss_scale": 2.0 ** 30,
+              "skipped_iterations": 2, "nan_iterations": 1},
+             {"loss": 3.0, "grad_norm": None, "skipped": True, "lr": 1e-3, "loss_scale": 2.0 ** 29,
+              "skipped_iterations": 5, "nan_iterations": 1, "consumed_samples": 99}]  # totals of a resumed run
+    for iteration, stats in enumerate(steps[:3], start=1):
+        monitor.step(iteration, stats)
+    line = _fields(monitor.stream.getvalue().splitlines()[-1])
+    assert line["lm loss"] == "4.000000E+00"  # the mean over applied steps only
+    assert (line["grad norm"], line["number of skipped iterations"], line["number of nan iterations"]) == ("1.000", "2", "1")
+    assert line["consumed samples"] == str(3 * GBS) and line["loss scale"] == f"{2.0 ** 30:g}"
+    monitor.step(4, steps[3])
+    monitor.log_line(4)
+    line = _fields(monitor.stream.getvalue().splitlines()[-1])
+    assert (line["grad norm"], line["number of skipped iterations"], line["consumed samples"]) == ("skipped", "5", "99")
+    assert line["lm loss"] == "3.000000E+00"  # nothing applied in the window: the last loss
+    monitor.finish()

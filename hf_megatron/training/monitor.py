@@ -67,7 +67,7 @@ class Monitor:
         self.window: list[tuple[float, dict]] = []  # (seconds, stats) since the last log line
         self.step_seconds: list[float] = []
         self.flops_per_iter = self.peak = None
-        self.tokens_per_iter = self.global_batch = 0
+        self.tokens_per_iter = self.global_batch = self.consumed = 0
         self.started = self._mark = time.perf_counter()
         self.banner()
 
@@ -216,7 +216,8 @@ class Monitor:
         self.nans = max(self.nans, int(stats.get("nan_iterations") or 0))
         self.step_seconds.append(seconds)
         self.window.append((seconds, stats))
-        samples = iteration * self.global_batch
+        samples = stats.get("consumed_samples") or iteration * self.global_batch  # the loop's count when it keeps one
+        self.consumed = samples
         if finite:
             self.train_curve.append((iteration, loss))
         self.scalars(iteration, {"lm loss": loss if finite else None, "learning-rate": stats.get("lr"),
@@ -244,10 +245,10 @@ class Monitor:
         loss = sum(losses) / len(losses) if losses else last.get("loss")
         memory, what = throughput.peak_memory_bytes(self.device)
         measured = self.step_seconds[1:] or self.step_seconds  # the first step also warms up
-        eta = (self.cfg.train_iters - iteration) * sum(measured) / len(measured)
+        eta = max(self.cfg.train_iters - iteration, 0) * sum(measured) / len(measured)
         grad = f"{last['grad_norm']:.3f}" if last.get("grad_norm") is not None else "skipped"
         parts = [f" iteration {iteration:6d}/{self.cfg.train_iters}",
-                 f"consumed samples: {iteration * self.global_batch}",
+                 f"consumed samples: {self.consumed}",
                  f"elapsed time per iteration (ms): {seconds * 1000:.1f}",
                  f"throughput per GPU (TFLOP/s/GPU): {rates['tflops']:.3g}"]
         if rates["mfu"] is not None:
@@ -270,7 +271,7 @@ class Monitor:
         self.print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | "
                    f"lm loss PPL: {ppl(loss):.6E} | ({seconds:.1f} s)")
         self.scalars(iteration, {"lm loss validation": loss, "lm loss validation ppl": ppl(loss)},
-                     iteration * self.global_batch)
+                     self.consumed or iteration * self.global_batch)
 
     def sample(self, iteration: int, prompt: str, continuation: str) -> None:
         seconds = self._elapsed()
