@@ -4,9 +4,14 @@
 2. tokenizer  a byte-level BPE trained on it, and the corpus preprocessed into Megatron's
               .bin/.idx (`hf-megatron preprocess --train-tokenizer bpe`)
 3. train      a small Llama-style model from scratch, tensor parallel 2 with sequence
-              parallelism, under torchrun (`hf-megatron train`; gloo on CPU, NCCL on GPUs)
-4. convert    the Megatron checkpoint -> a Hugging Face folder (`hf-megatron convert megatron-to-hf`)
-5. generate   `AutoModelForCausalLM.from_pretrained` on it, and a sample
+              parallelism, under torchrun (`hf-megatron train`; gloo on CPU, NCCL on GPUs): the
+              start banner, a log line every 20 iterations (ms/iteration, TFLOP/s, tokens/s,
+              memory, ETA, ...), a validation loss and a text sample at each evaluation,
+              TensorBoard events and a loss-curve PNG
+4. evaluate   the checkpoint's validation loss and perplexity in one process (`hf-megatron evaluate`:
+              the tp=2 checkpoint read in another layout)
+5. convert    the Megatron checkpoint -> a Hugging Face folder (`hf-megatron convert megatron-to-hf`)
+6. generate   `AutoModelForCausalLM.from_pretrained` on it, and a sample
 
     python examples/demo.py --out demo_out [--iters 200] [--nproc 2]
 """
@@ -20,6 +25,8 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+
+PROMPT = "def __init__(self"
 
 
 def step(title: str) -> None:
@@ -85,28 +92,35 @@ def main() -> int:
          "--tensor-model-parallel-size", str(args.nproc), "--sequence-parallel",
          "--train-iters", str(args.iters), "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "10",
          "--lr-decay-style", "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0",
-         "--log-interval", "20", "--eval-interval", str(max(args.iters // 2, 1)), "--eval-iters", "4",
-         "--save", str(out / "checkpoint"), "--tensorboard-dir", str(out / "tensorboard")], env=env)
+         "--log-interval", "20", "--eval-interval", str(max(args.iters // 4, 1)), "--eval-iters", "4",
+         "--save", str(out / "checkpoint"), "--tensorboard-dir", str(out / "tensorboard"),
+         "--tokenizer-model", str(out / "tokenizer"), "--sample-prompt", PROMPT, "--sample-tokens", "24"], env=env)
     summary = json.loads((out / "checkpoint" / "training_summary.json").read_text())
 
-    step("4. convert the Megatron checkpoint to a Hugging Face folder")
+    step("4. evaluate the checkpoint on the validation split, in one process")
+    # split, seed, sequence length, batch and eval iters come from the checkpoint: the same loss as
+    # the run's last validation, here with the tp=2 weights in one process
+    run([py, "-m", "hf_megatron.cli", "evaluate", "--load", str(out / "checkpoint"),
+         "--data-path", str(out / "data" / "stdlib_text_document"), "--micro-batch-size", "16"], env=env)
+
+    step("5. convert the Megatron checkpoint to a Hugging Face folder")
     run([py, "-m", "hf_megatron.cli", "convert", "megatron-to-hf", "--megatron", str(out / "checkpoint"),
          "--out", str(out / "hf_model"), "--tokenizer", str(out / "tokenizer")], env=env)
 
-    step("5. load with transformers and generate")
+    step("6. load with transformers and generate")
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out / "hf_model").eval()
     tokenizer = AutoTokenizer.from_pretrained(out / "hf_model")
-    prompt = "def __init__(self"
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         sample = model.generate(ids, max_new_tokens=48, do_sample=False)
     print(tokenizer.decode(sample[0]))
 
     print(f"\n=== done in {time.time() - started:.0f}s: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
           f"over {summary['iterations']} iterations (tp={summary['tp']}, pp={summary['pp']}, dp={summary['dp']}); "
-          f"outputs in {out}")
+          f"outputs in {out}; loss curve {out / 'tensorboard' / 'loss_curve.png'}; "
+          f"TensorBoard: tensorboard --logdir {out / 'tensorboard'}")
     if not summary["final_loss"] < summary["first_loss"]:
         print("the loss did not go down", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from .errors import HFMegatronError
 # verb module paths, in the order they appear in --help
 VERB_MODULES = [
     "hf_megatron.commands.train",
+    "hf_megatron.commands.evaluate",
     "hf_megatron.commands.preprocess",
     "hf_megatron.commands.convert",
     "hf_megatron.commands.reshard",

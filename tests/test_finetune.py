@@ -7,7 +7,7 @@ The first step runs at lr 0 (one warmup step), so the weights saved after it are
 were loaded: they are compared with the source, bit for bit."""
 import pytest
 
-from train_cli import assert_same_weights, base_args, cli_inprocess, make_workspace, weights
+from train_cli import assert_same_weights, base_args, cli_inprocess, learning_rates, make_workspace, weights
 
 from hf_megatron.checkpoint.unpickle import safe_load
 from transformers import AutoModelForCausalLM
@@ -34,10 +34,6 @@ def _finetune(root, save, iters, *extra):
     return out
 
 
-def _lrs(out):
-    return [line.split("| lr ")[1].split(" ")[0] for line in out.splitlines() if "| lr " in line]
-
-
 def _rank_file(folder, iteration):
     return safe_load(folder / f"iter_{iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt")
 
@@ -53,7 +49,7 @@ def _fresh_training_state(folder):
 def test_finetune_from_a_megatron_checkpoint_loads_weights_only(sources, flags):
     save = sources / f"ft_{flags[0][2:]}"
     out = _finetune(sources, save, 2, *[sources / f if f == "base" else f for f in flags])
-    assert "iteration      1/2" in out and _lrs(out) == ["0.000e+00", "2.000e-03"]
+    assert "iteration      1/2" in out and learning_rates(out) == ["0.000e+00", "2.000e-03"]
     assert "fine-tuning from" in out
     assert_same_weights(weights(save, 1), weights(sources / "base", 2))
     _fresh_training_state(save)
@@ -62,7 +58,7 @@ def test_finetune_from_a_megatron_checkpoint_loads_weights_only(sources, flags):
 def test_finetune_from_an_hf_folder_and_from_its_converted_checkpoint_agree(sources):
     out_hf = _finetune(sources, sources / "ft_hf", 2, "--pretrained-checkpoint", sources / "hf")
     out_conv = _finetune(sources, sources / "ft_conv", 2, "--pretrained-checkpoint", sources / "converted")
-    assert "iteration      1/2" in out_hf and _lrs(out_hf) == _lrs(out_conv) == ["0.000e+00", "2.000e-03"]
+    assert "iteration      1/2" in out_hf and learning_rates(out_hf) == learning_rates(out_conv) == ["0.000e+00", "2.000e-03"]
     assert_same_weights(weights(sources / "ft_hf", 1), weights(sources / "ft_conv", 1))
     assert_same_weights(weights(sources / "ft_hf", 2), weights(sources / "ft_conv", 2))
     _fresh_training_state(sources / "ft_conv")
@@ -92,7 +88,7 @@ def test_no_load_optim_starts_optimizer_and_schedule_afresh(sources):
     _finetune(sources, save, 2, "--pretrained-checkpoint", sources / "base")
     out = _finetune(sources, save, 3, "--load", save, "--no-load-optim", "--lr-decay-iters", 2)
     # Megatron-LM: without the optimizer the LR schedule starts again too (warmup step: lr 0)
-    assert "iteration      3/3" in out and _lrs(out) == ["0.000e+00"]
+    assert "iteration      3/3" in out and learning_rates(out) == ["0.000e+00"]
     payload = _rank_file(save, 3)
     assert {s["step"].item() for s in payload["optimizer"]["optimizer"]["state"].values()} == {1.0}
     assert payload["iteration"] == 3

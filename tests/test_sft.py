@@ -239,9 +239,9 @@ def test_train_cli_sft_first_loss_and_validation_are_response_only(tmp_path):
     model.eval()
     train_ref = _hf_loss(model, [_hf_labels(r) for r in records[:30]])
     assert summary["first_loss"] == pytest.approx(train_ref, rel=1e-5)
-    line = next(x for x in done.stdout.splitlines() if "validation at iteration 1" in x)
-    valid = float(line.split("| loss ")[1].split()[0])  # printed with 4 decimals
-    assert valid == pytest.approx(_hf_loss(model, [_hf_labels(r) for r in records[30:]]), abs=6e-5)
+    line = next(x for x in done.stdout.splitlines() if "validation loss at iteration 1 " in x)
+    valid = float(line.split("| lm loss value: ")[1].split()[0])  # printed as %.6E
+    assert valid == pytest.approx(_hf_loss(model, [_hf_labels(r) for r in records[30:]]), rel=1e-5)
 
 
 @pytest.mark.parametrize("case", ["missing_mask", "three_keys", "pack_without_sft", "empty_valid"])

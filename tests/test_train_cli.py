@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from train_cli import base_args, cli_inprocess, cli_subprocess, last_line, make_workspace
+from train_cli import base_args, cli_inprocess, cli_subprocess, last_line, learning_rates, make_workspace
 
 from hf_megatron.training.lock import LOCK_FILE, SaveLock
 
@@ -72,11 +72,11 @@ def test_fp16_with_default_flags_logs_skipped_steps_and_finishes(workspace):
     # loss scale 2^32 overflows fp16 gradients: Megatron-LM skips those steps and lowers the scale
     code, out, err = _train(workspace, workspace / "fp16", 4, "--fp16")
     assert code == 0, err[-2000:]
-    assert out.count("| grad norm - |") == 4 and out.count("| skipped") == 4
+    assert out.count("| grad norm: skipped |") == 4 and "number of skipped iterations: 4" in out
     assert _summary(workspace / "fp16")["skipped_iterations"] == 4
     code, out, err = _train(workspace, workspace / "fp16_scaled", 4, "--fp16", "--initial-loss-scale", 64)
     assert code == 0, err[-2000:]
-    assert "| skipped" not in out and _summary(workspace / "fp16_scaled")["skipped_iterations"] == 0
+    assert "grad norm: skipped" not in out and _summary(workspace / "fp16_scaled")["skipped_iterations"] == 0
     code, out, err = _train(workspace, workspace / "fp16_static", 2, "--fp16", "--loss-scale", 2.0 ** 40)
     assert code == 0 and _summary(workspace / "fp16_static")["skipped_iterations"] == 2  # static: never lowered
 
@@ -108,8 +108,7 @@ def test_train_samples_and_warmup_fraction_follow_megatron(workspace):
     code, out, err = cli_inprocess(*base_args(workspace, None, "--train-samples", 14, "--lr-warmup-fraction", 0.5,
                                              "--lr-decay-iters", 4, "--save", workspace / "samples"))
     assert code == 0, err
-    assert [line.split("| lr ")[1].split(" ")[0] for line in out.splitlines() if "| lr " in line] == \
-        ["0.000e+00", "5.000e-04", "1.000e-03"]
+    assert learning_rates(out) == ["0.000e+00", "5.000e-04", "1.000e-03"]
     line = _error(cli_inprocess(*base_args(workspace, 2, "--train-samples", 8)))
     assert "--train-iters (2) and --train-samples (8) are exclusive" in line
     assert "expected --train-iters N or --train-samples N" in _error(cli_inprocess(*base_args(workspace, None)))

@@ -71,6 +71,12 @@ def cli_inprocess(*args):
     return code, out.getvalue(), err.getvalue()
 
 
+def learning_rates(out: str) -> list[str]:
+    """The learning rate of each training log line (the monitor's `learning rate: X`), as %.3e."""
+    return [f"{float(line.split('| learning rate: ')[1].split(' ')[0]):.3e}" for line in out.splitlines()
+            if "| learning rate: " in line]
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""

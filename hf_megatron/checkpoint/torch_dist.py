@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..errors import CheckpointError
 from ..parallel.sharding import VOCAB_PARAMS, pad_vocab
-from .args import build_args, config_from_args
+from .args import build_args
 from .checksums import verify_folder
 from .files import save_atomic, write_text_atomic
 from .legacy import local_to_te_name, te_to_local_name

@@ -261,6 +261,18 @@ class RunConfig:
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
     no_checkpoint_checksums: bool = option(False, group="checkpointing and logging",
                                            help="neither write nor verify sha256 sidecars of checkpoint files")
+    tokenizer_model: str | None = option(None, group="monitoring",
+                                         help="tokenizer for text samples: HF folder, Hub id or SentencePiece "
+                                              ".model (default: the --hf-model / --hf-config folder's, if any)")
+    sample_prompt: str | None = option(None, group="monitoring",
+                                       help="at each evaluation, continue this text and log it (default: no samples)")
+    sample_tokens: int = option(32, group="monitoring", at_least=1, help="tokens generated per text sample")
+    sample_temperature: float = option(0.0, group="monitoring", at_least=0.0,
+                                       help="sampling temperature of the text samples; 0 = greedy")
+    peak_tflops: float | None = option(None, group="monitoring", above=0.0,
+                                       help="peak TFLOP/s per GPU for MFU (default: looked up by GPU name and precision)")
+    no_progress_bar: bool = option(False, group="monitoring",
+                                   help="no tqdm progress bar (it is shown only when stdout is a terminal)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -281,3 +293,71 @@ class RunConfig:
         split_bookends(self.split)
         if self.sft_pack and not self.sft:
             raise ConfigError("RunConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
+
+
+def same_as(cls: type, name: str):
+    """Field `name` of dataclass `cls` declared again in another config: one default, help text,
+    flag group and set of bounds for both (the annotation is still written at the new place)."""
+    original = cls.__dataclass_fields__[name]
+    return field(default=original.default, metadata=original.metadata)
+
+
+EVAL_SPLITS = ("train", "valid", "test")
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """`hf-megatron evaluate`: the loss and perplexity of a model on one split of a dataset."""
+
+    load: str | None = option(None, group="model",
+                              help="Megatron checkpoint folder to score, saved in any layout (this or --hf-model)")
+    hf_model: str | None = option(None, group="model", help="HF folder or Hub id to score (this or --load)")
+    data_path: list[str] = same_as(RunConfig, "data_path")
+    split: str | None = option(None, group="data", help="train,valid,test shares of the documents "
+                                                        "(default: the checkpoint's training --split, else 969,30,1)")
+    eval_split: str = option("valid", group="data", choices=EVAL_SPLITS,
+                             help="the split to score; a held-out prefix of its own: --split 0,1,0")
+    seq_length: int | None = option(None, group="data", at_least=2,
+                                    help="tokens per sample (default: the checkpoint's training --seq-length, "
+                                         "else the smaller of 1024 and the model's positions)")
+    data_cache_path: str | None = same_as(RunConfig, "data_cache_path")
+    eval_iters: int | None = option(None, group="data", at_least=1,
+                                    help="global batches to score, from the split's start as training's validation "
+                                         "takes them (default: the checkpoint's training --eval-iters for the valid "
+                                         "split, else every full global batch)")
+    micro_batch_size: int = same_as(TrainingConfig, "micro_batch_size")
+    global_batch_size: int | None = option(None, group="training", at_least=1,
+                                           help="samples per evaluation step over all dp ranks (default: the "
+                                                "checkpoint's training --global-batch-size, else micro batch x dp)")
+    tensor_model_parallel_size: int = same_as(TrainingConfig, "tensor_model_parallel_size")
+    pipeline_model_parallel_size: int = same_as(TrainingConfig, "pipeline_model_parallel_size")
+    virtual_pipeline_model_parallel_size: int | None = same_as(TrainingConfig, "virtual_pipeline_model_parallel_size")
+    sequence_parallel: bool = same_as(TrainingConfig, "sequence_parallel")
+    bf16: bool = same_as(TrainingConfig, "bf16")
+    fp16: bool = same_as(TrainingConfig, "fp16")
+    seed: int | None = option(None, group="training", at_least=0,
+                              help="seed of the data shuffling (default: the checkpoint's training --seed, else 1234)")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if bool(self.load) == bool(self.hf_model):
+            raise ConfigError("EvalConfig: give exactly one of --load (a Megatron checkpoint) or --hf-model (an HF "
+                              f"folder or Hub id), got load={self.load!r}, hf_model={self.hf_model!r}")
+        from ..data.builder import split_bookends
+        if self.split is not None and split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
+            _fail(self, "split", f"a non-zero share for the {self.eval_split} split (--eval-split)", self.split)
+
+    def with_recorded(self, recorded: dict) -> "EvalConfig":
+        """Unset data fields filled from a training checkpoint's args (Megatron-LM's names), then
+        from training's defaults; the run's --eval-iters only when scoring the valid split."""
+        names = ("split", "seed", "seq_length", "global_batch_size") + (("eval_iters",) if self.eval_split == "valid" else ())
+        fallback = {"split": RunConfig.__dataclass_fields__["split"].default, "seed": TrainingConfig.seed}
+        values = {n: recorded.get(n) if recorded.get(n) is not None else fallback.get(n)
+                  for n in names if getattr(self, n) is None}
+        return dataclasses.replace(self, **values)
+
+    def training_config(self) -> TrainingConfig:
+        """The layout, precision and batch fields as the TrainingConfig that builds and runs the model."""
+        names = {f.name for f in dataclasses.fields(TrainingConfig)}
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in names}
+        return TrainingConfig(**{k: v for k, v in values.items() if v is not None})

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -83,10 +82,6 @@ def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
     return not cfg.fp16 and stats["skipped"]
 
 
-def _number(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)  # a skipped step has no grad norm
-
-
 def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     """Everything that can fail without a model, then the model: (cfg, start, source, device, gbs)."""
     from .preflight import check_data, check_model_fits
@@ -109,20 +104,25 @@ def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
 
 def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from .lock import SaveLock
+    from .monitor import Monitor
+    from .sampling import sampler_for_run
     from .signals import ExitConditions
+    monitor = Monitor(cfg, run)  # the banner, before anything slow
+    sampler = sampler_for_run(run, cfg.seed)  # a bad --tokenizer-model fails here, early
     exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
     lock = None
     try:  # the signal handlers are in place from here: a SIGTERM during setup stops after the first step
         cfg, start, source, device, gbs = _setup(cfg, run)
+        monitor.cfg = cfg  # with the iterations a --train-samples run resolved to
         lock = SaveLock(run.save).acquire() if run.save else None
-        return _train(cfg, run, start, source, device, gbs, exits)
+        return _train(cfg, run, start, source, device, gbs, exits, monitor, sampler)
     finally:
         exits.restore()
         if lock:
             lock.release()
 
 
-def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
+def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dict[str, Any]:
     from ..checkpoint.files import TRACKER, read_tracker
     from ..data.builder import build_datasets
     from .checkpoint import restore_rng, save_checkpoint
@@ -136,9 +136,9 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
                   f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)", flush=True)
         return {"iterations": saved, "already_done": True, "final_loss": None, "first_loss": None}
     chunks, optimizer, scheduler, restored = build_training_state(run, cfg, start, source, device, gbs)
+    monitor.model_built(chunks, optimizer)
     iteration, consumed = restored.iteration, restored.consumed_samples
-    if _is_logger():
-        print(f" {restored.source}", flush=True)
+    monitor.note(f" {restored.source}")
     eval_samples = 0
     if run.eval_interval:
         eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
@@ -152,22 +152,23 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
     batches = _global_batches(train_ds, cfg, consumed, device)  # draws from the global RNG: restore after it
     restore_rng(restored.rng_state)
 
-    writer = None
-    if run.tensorboard_dir and _is_logger():
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(run.tensorboard_dir)
+    sampler, why_not = sampler
+    if why_not:
+        monitor.note(why_not)
+    monitor.start(iteration, gbs)
 
     def save(at: int, loss) -> None:
         # the data position also in `args`, where Megatron-LM reads it when it resumes our checkpoint
+        # (and the run's data fields: `hf-megatron evaluate` rebuilds this run's validation data from them)
         args = {"seq_length": run.seq_length, "consumed_train_samples": consumed, "global_batch_size": gbs,
-                "micro_batch_size": cfg.micro_batch_size}
+                "micro_batch_size": cfg.micro_batch_size, "split": run.split, "seed": cfg.seed,
+                "train_iters": cfg.train_iters, "eval_interval": run.eval_interval, "eval_iters": run.eval_iters}
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "loss": loss,
                                "train_tokens": consumed * run.seq_length})
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
     history, last, saved_at, exit_reason = [], {}, None, None
-    window_start, window_tokens = time.perf_counter(), 0
     while iteration < cfg.train_iters:
         micro = next(batches, None)
         if micro is None:
@@ -186,28 +187,16 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
                 f"the gradients are not finite (loss {stats['loss']:.4g})"
             raise NonFiniteError(f"iteration {iteration}: {what}; stopped by --check-for-nan-in-loss-and-grad, "
                                  f"nothing saved after it ({kept})")
-        window_tokens += stats["num_tokens"]
         history.append(stats["loss"])
         last = stats
-        if writer:
-            for key in ("loss", "lr", "grad_norm", "loss_scale"):
-                if stats.get(key) is not None:
-                    writer.add_scalar(f"train/{key}", stats[key], iteration)
-        if iteration % run.log_interval == 0 or iteration == cfg.train_iters:
-            elapsed = time.perf_counter() - window_start
-            if _is_logger():
-                print(f" iteration {iteration:6d}/{cfg.train_iters} | loss {stats['loss']:.4f} | lr {stats['lr']:.3e}"
-                      f" | grad norm {_number(stats['grad_norm'], '.3f')} | tokens/s {window_tokens / max(elapsed, 1e-9):,.0f}"
-                      f"{' | skipped' if stats['skipped'] else ''}", flush=True)
-            window_start, window_tokens = time.perf_counter(), 0
+        monitor.step(iteration, stats)
         if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
-            val = _evaluate(chunks, valid_ds, cfg, run, device)
-            if _is_logger():
-                print(f" validation at iteration {iteration} | loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}", flush=True)
-            if writer:
-                writer.add_scalar("valid/loss", val, iteration)
+            monitor.validation(iteration, _evaluate(chunks, valid_ds, cfg, run, device))
+            if sampler is not None:
+                monitor.sample(iteration, sampler.prompt, sampler(chunks, iteration))
         if run.save and run.save_interval and iteration % run.save_interval == 0:
-            save(iteration, stats["loss"])
+            with monitor.saving(iteration):
+                save(iteration, stats["loss"])
             saved_at = iteration
         exit_reason = exits.reason(iteration)
         if exit_reason:
@@ -216,14 +205,13 @@ def _train(cfg, run, start, source, device, gbs, exits) -> dict[str, Any]:
                "tokens": consumed * run.seq_length, "consumed_samples": consumed, **counters,
                "exit_reason": exit_reason, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
     if run.save and saved_at != iteration and iteration > restored.iteration:  # never a copy of what was loaded
-        save(iteration, last.get("loss"))
-    if exit_reason and _is_logger():
-        print(f" exiting at iteration {iteration}: {exit_reason}" + (f" (saved to {run.save})" if run.save else ""),
-              flush=True)
+        with monitor.saving(iteration):
+            save(iteration, last.get("loss"))
+    if exit_reason:
+        monitor.note(f" exiting at iteration {iteration}: {exit_reason}" + (f" (saved to {run.save})" if run.save else ""))
     if run.save and _is_logger():
         write_text_atomic(Path(run.save, "training_summary.json"), json.dumps(summary, indent=2))
-    if writer:
-        writer.close()
+    monitor.finish()
     return summary
 
 
