@@ -35,7 +35,7 @@ def test_transformers_4_style_rope_fields_are_read():
 
 def test_unsupported_architecture_is_one_clear_error():
     bert = AutoConfig.for_model("bert")
-    with pytest.raises(ConfigError, match=r"unsupported model_type 'bert'; supported: gpt2, llama, mistral, qwen2"):
+    with pytest.raises(ConfigError, match=r"unsupported model_type 'bert'; supported: gemma2, gemma3_text, gpt2, llama, mistral, olmo2, phi3, qwen2, qwen3"):
         ModelConfig.from_hf(bert)
 
 
