@@ -10,11 +10,9 @@ format itself -- folder names, the rank file, staging, safe loading -- is hf_meg
 Each model-parallel rank (tp, pp) with data-parallel rank 0 writes its own file, with layer
 numbers local to its pipeline stage.  The distributed optimizer (`sharded = True`) keeps param
 groups and loss scaler in model_optim_rng.pt and its main weights and Adam moments, gathered
-over dp onto dp rank 0, in `distrib_optim.pt` next to it (Megatron-LM's layout).  An optimizer
-whose `state_dict()` differs per data-parallel rank sets `state_dict_per_dp_rank = True`; then
-every data-parallel rank writes `optim_dp_RRR.pt` there (the former ZeRO-1's files, which the
-distributed optimizer also loads).  All files go to a staging folder first, which
-replaces the iteration folder in one step after every rank is done (also when that iteration
+over dp onto dp rank 0, in `distrib_optim.pt` next to it (Megatron-LM's layout).  Loading also
+takes the former ZeRO-1's per-dp-rank `optim_dp_RRR.pt` files, into either optimizer.  All
+files go to a staging folder first, which replaces the iteration folder in one step after every rank is done (also when that iteration
 was saved before); then the tracker file is replaced: a crash never leaves a checkpoint that
 looks complete, and the tracker never names a missing folder.
 
@@ -138,7 +136,6 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
     param_state = optimizer.parameter_state() if getattr(optimizer, "sharded", False) else None
-    per_dp = bool(getattr(optimizer, "state_dict_per_dp_rank", False))
     rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
     if dp_rank == 0 and cp_rank == 0:
         extra, args = dict(extra or {}), dict(args or {})
@@ -147,13 +144,11 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
                                    dp=st.dp, context_parallel_size=st.cp, iteration=iteration, **args)
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
-                               optimizer=None if per_dp else optim_state,
+                               optimizer=optim_state,
                                opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
         write_rank_file(rank_dir, payload)
-    if per_dp and cp_rank == 0 and optim_state is not None:
-        rank_dir.mkdir(exist_ok=True)
-        save_atomic({"optimizer": optim_state, "iteration": iteration}, rank_dir / optim_file_name(dp_rank))
     if param_state is not None and cp_rank == 0:  # dp rank 0 holds the gathered state
+        rank_dir.mkdir(exist_ok=True)
         save_atomic(param_state, rank_dir / DISTRIB_OPTIM_FILE)
     _barrier()
     if is_first:
@@ -193,7 +188,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
             raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
                                   f"unexpected {result.unexpected_keys[:4]}")
     if optimizer is not None:
-        _load_optimizer_state(optimizer, payload, path, dp_rank)
+        _load_optimizer_state(optimizer, payload, path)
     if scheduler is not None and "opt_param_scheduler" in payload:
         scheduler.load_state_dict(payload["opt_param_scheduler"])
     if load_rng and payload.get("rng_state"):
@@ -203,7 +198,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     return 0 if iteration == "release" else int(iteration)
 
 
-def _load_optimizer_state(optimizer, payload: dict, path: Path, dp_rank: int) -> None:
+def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
     """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
     distrib_optim.pt (the distributed optimizer), the former ZeRO-1's optim_dp_RRR.pt files,
     or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
@@ -213,8 +208,6 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path, dp_rank: int) ->
         if "optimizer" not in payload:
             raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
         optimizer.load_state_dict(payload["optimizer"], parameter_state=safe_load(folder / DISTRIB_OPTIM_FILE))
-    elif zero1_files and getattr(optimizer, "state_dict_per_dp_rank", False):
-        optimizer.load_state_dict(safe_load(folder / optim_file_name(dp_rank))["optimizer"])
     elif zero1_files:
         if [f.name for f in zero1_files] != [optim_file_name(r) for r in range(len(zero1_files))]:
             raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1_files]} are not "
