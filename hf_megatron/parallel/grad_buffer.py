@@ -51,6 +51,42 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def plan_buckets(chunks, params: list[torch.Tensor], dp: int, bucket_size: int, alone=()) -> list[tuple]:
+    """The buffer layout (see the module docstring), computed from shapes only (meta tensors are
+    fine): one (params, their offsets in the bucket, bucket start in the buffer, padded numel)
+    per bucket."""
+    wanted, alone = {id(p) for p in params}, {id(p) for p in alone}
+    runs: list[list[torch.Tensor]] = []  # params in buffer order, split where the chunk or dtype changes
+    seen: set[int] = set()
+    for chunk in reversed(list(chunks)):
+        run: list[torch.Tensor] = []
+        for p in reversed(list(chunk.parameters())):
+            if id(p) in wanted and id(p) not in seen:
+                seen.add(id(p))
+                if run and p.dtype != run[-1].dtype:
+                    runs.append(run)
+                    run = []
+                run.append(p)
+        if run:
+            runs.append(run)
+    if len(seen) != len(wanted):
+        raise ValueError(f"GradBuffer: {len(wanted) - len(seen)} params are not in the given model chunks")
+    plans, total = [], 0
+    for run in runs:
+        members, offsets, size = [], [], 0
+        for i, p in enumerate(run):
+            members.append(p)
+            offsets.append(size)
+            size = _round_up(size + p.numel(), ALIGN)
+            last = i == len(run) - 1
+            if size >= bucket_size or last or id(p) in alone or id(run[i + 1]) in alone:
+                numel = _round_up(size, ALIGN * dp)
+                plans.append((members, offsets, total, numel))
+                total += numel
+                members, offsets, size = [], [], 0
+    return plans
+
+
 class Bucket:
     """A run of params reduced by one collective: `grad` (fp32) and optionally `param_data`
     (the params' dtype) are views of length `numel` (padded); `offsets[i]` is params[i]'s start."""
@@ -82,41 +118,8 @@ class GradBuffer:
         self.dp = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
-        bucket_size = bucket_size or default_bucket_size(self.dp)
-        alone = {id(p) for p in alone}
-        wanted = {id(p) for p in params}
-        runs: list[list[torch.Tensor]] = []  # params in buffer order, split at chunk/dtype changes
-        seen: set[int] = set()
-        for chunk in reversed(list(chunks)):
-            run: list[torch.Tensor] = []
-            for p in reversed(list(chunk.parameters())):
-                if id(p) in wanted and id(p) not in seen:
-                    seen.add(id(p))
-                    if run and (p.dtype != run[-1].dtype):
-                        runs.append(run)
-                        run = []
-                    run.append(p)
-            if run:
-                runs.append(run)
-        missing = [p for p in params if id(p) not in seen]
-        if missing:
-            raise ValueError(f"GradBuffer: {len(missing)} params are not in the given model chunks")
-        # plan the buckets, then allocate one buffer and hand out views
-        plans, total = [], 0
-        for run in runs:
-            members, offsets, size = [], [], 0
-            for i, p in enumerate(run):
-                if id(p) in alone and members:  # close the bucket before it
-                    plans.append(self._plan(members, offsets, size, total))
-                    total += plans[-1][3]
-                    members, offsets, size = [], [], 0
-                members.append(p)
-                offsets.append(size)
-                size = _round_up(size + p.numel(), ALIGN)
-                if size >= bucket_size or i == len(run) - 1 or id(p) in alone or id(run[i + 1]) in alone:
-                    plans.append(self._plan(members, offsets, size, total))
-                    total += plans[-1][3]
-                    members, offsets, size = [], [], 0
+        plans = plan_buckets(chunks, params, self.dp, bucket_size or default_bucket_size(self.dp), alone)
+        total = sum(numel for *_, numel in plans)
         device = params[0].device if params else torch.device("cpu")
         self.data = torch.zeros(total, dtype=torch.float32, device=device)
         self.buckets: list[Bucket] = []
@@ -137,10 +140,6 @@ class GradBuffer:
             self.buckets.append(bucket)
         self._left: dict[int, int] = {}  # id(p) -> hook firings still expected this step
         self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for b in self.buckets for p in b.params]
-
-    def _plan(self, members, offsets, size: int, start: int) -> tuple:
-        """(params, their offsets, start in the buffer, padded numel) of one bucket."""
-        return members, offsets, start, _round_up(max(size, 1), ALIGN * self.dp)
 
     # ------------------------------------------------------------- grads
     def zero(self, num_micro_batches: int | None = None) -> None:
