@@ -126,8 +126,8 @@ def _count_collectives(rank, world, cases):
 
 def _steps_counted(cases, calls):
     from hf_megatron.parallel import state
-    from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
-        train_step
+    from hf_megatron.training import build_model, build_optimizer, build_scheduler, evaluate, setup_parallel, \
+        split_batch, train_step
     from tiny import engine_batch, tiny_hf_model
     from training_helpers import training_config
 
@@ -144,8 +144,11 @@ def _steps_counted(cases, calls):
         calls.clear()
         train_step(chunks, optimizer, scheduler, batch)
         on_dp = [(name, in_backward) for name, group, in_backward in calls if group is dp]
-        out.append({"calls": on_dp, "buckets": len(optimizer.grad_buffer.buckets),
-                    "params": len(optimizer.model_params)})
+        buckets = optimizer.grad_buffer.buckets
+        in_flight = sum(b.gather_work is not None for b in buckets)  # overlap_param_gather: until a forward
+        evaluate(chunks, batch)
+        out.append({"calls": on_dp, "buckets": len(buckets), "params": len(optimizer.model_params),
+                    "gathers_in_flight": (in_flight, sum(b.gather_work is not None for b in buckets))})
         state.reset()
     return out
 
@@ -166,3 +169,5 @@ def test_one_dp_collective_per_bucket_per_step(dp2_results):
             assert names.count("all_gather_single") == run["buckets"]
             assert names.count("all_reduce") == 3  # tokens, loss sum, squared grad norm over the shards
             assert all(in_backward for name, in_backward in run["calls"] if name == "reduce_scatter_single")
+        assert sharded["gathers_in_flight"] == (0, 0)  # all-gathers waited for in the step
+        assert gathered["gathers_in_flight"] == (gathered["buckets"], 0)  # left running; the forward waited

@@ -18,8 +18,9 @@ all-reduce 2 (dp-1)/dp x 4P; here reduce-scatter (dp-1)/dp x 4P + all-gather (dp
 
 `--overlap-param-gather`: the all-gathers are launched asynchronously after the step (first
 layers first) and each module waits for its buckets in a forward pre-hook, so the gather of the
-later layers overlaps the next forward; reading the weights any other way (state_dict, a save)
-waits for all of them first (a state-dict pre-hook).
+later layers overlaps the next forward (hooks per transformer layer: a layer may be a compiled
+region); reading the weights any other way (state_dict, a save) waits for all of them first (a
+state-dict pre-hook).
 
 Checkpoint (Megatron-LM's layout): `state_dict()` (into model_optim_rng.pt) holds the param
 groups and loss scaler; `parameter_state()` -- collective over dp -- gathers main weights and
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..parallel import state
+from ..parallel.compile import compiled_regions
 from .optimizer import MixedPrecisionOptimizer
 from .optimizer_state import MOMENTS
 
@@ -88,13 +90,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ---------------------------------------------------------------- param-gather overlap
     def _install_param_gather_hooks(self) -> None:
+        """A forward pre-hook per transformer layer (for all of its params) and per other module
+        holding params directly.  Per layer, not per linear: a layer may be a compiled region
+        (parallel/compile.py), and a hook inside one would be traced by dynamo."""
         buffer = self.grad_buffer
         for chunk in self.chunks:
-            for module in chunk.modules():
-                buckets = {id(buffer.bucket_of[id(p)]): buffer.bucket_of[id(p)]
-                           for p in module.parameters(recurse=False) if id(p) in buffer.bucket_of}
-                if buckets:
-                    wanted = list(buckets.values())
+            regions = [name for name, _ in compiled_regions(chunk)]
+            for name, module in chunk.named_modules():
+                if any(name.startswith(region + ".") for region in regions):
+                    continue  # inside a layer: the layer's hook covers it
+                params = module.parameters(recurse=name in regions)
+                wanted = list({id(b): b for b in (buffer.bucket_of.get(id(p)) for p in params) if b}.values())
+                if wanted:
                     self._forward_hooks.append(module.register_forward_pre_hook(
                         lambda _module, _args, wanted=wanted: buffer.wait_param_gather(wanted)))
             self._forward_hooks.append(chunk.register_state_dict_pre_hook(
