@@ -83,7 +83,8 @@ def test_distributed_optimizer_tracks_plain_optimizer():
 LAYOUTS_4 = [("gpt2", {"tp": 2, "dp": 2, "sp": True}, OVERLAP),
              ("gpt2", {"pp": 2, "dp": 2}, OVERLAP),  # tied embedding across stages: its own bucket
              ("llama", {"pp": 2, "dp": 2, "zero": True}, {**OVERLAP, "overlap_param_gather": True}),
-             ("gpt2", {"tp": 2, "dp": 2, "sp": True, "zero": True}, {**OVERLAP, "overlap_param_gather": True})]
+             ("gpt2", {"tp": 2, "dp": 2, "sp": True, "zero": True}, {**OVERLAP, "overlap_param_gather": True}),
+             ("llama", {"pp": 2, "vpp": 2, "dp": 2, "zero": True}, {**OVERLAP, "overlap_param_gather": True})]
 LAYOUTS_8 = [("gpt2", {"tp": 2, "pp": 2, "dp": 2, "sp": True}, OVERLAP),
              ("gpt2", {"tp": 2, "pp": 2, "dp": 2, "sp": True, "zero": True},
               {**OVERLAP, "overlap_param_gather": True})]

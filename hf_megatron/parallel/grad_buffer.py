@@ -28,11 +28,12 @@ Params as views (`shard_params=True`, the distributed optimizer): each bucket al
 buffer of the params' dtype and every `p.data` becomes a view of it, so the updated shards can
 be all-gathered in place (`start_param_gather`), one collective per bucket.
 
-Why not torch's DDP comm hooks / FSDP2: DDP reduces the bf16 `.grad` in every backward that is
-not under `no_sync` and its buckets hold `.grad`, not an fp32 accumulator we own across the
-micro batches of a pipeline schedule (whose backward torch.distributed.pipelining drives);
-FSDP2 shards the *parameters* (ZeRO-3, gather before every forward and backward) and reduces
-in the param dtype with averaging by default -- neither is Megatron's fp32 main-grad ZeRO-1.
+Why not torch's DDP comm hooks / FSDP2: DDP's reducer reduces the param-dtype `.grad` (a comm
+hook can make it a sum, even in fp32, but the result lands back in the bf16 `.grad`); micro batches under
+`no_sync` would accumulate in bf16 `.grad` instead of the fp32 main grad; and its bucket layout is
+private and rebuilt after the first iteration, so the distributed optimizer could not own fixed
+contiguous shards of it.  FSDP2 shards the *parameters* (ZeRO-3: all-gather before every forward
+and backward) -- more traffic than ZeRO-1, and a different optimizer-state layout than Megatron's.
 """
 from __future__ import annotations
 
