@@ -99,7 +99,7 @@ def _worker(rank, world, megatron_dirs, save_root, torch_dist_root):
     cfg = training_config(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                           virtual_pipeline_model_parallel_size=2)
     uninterrupted, resumed = run_and_resume(cfg, model_config(n_layer=4), f"{save_root}/resume")
-    # and with pp=2 x dp=2 and the ZeRO optimizer, whose state is per dp rank (optim_dp_RRR.pt)
+    # and with pp=2 x dp=2 and the distributed optimizer (distrib_optim.pt per model-parallel rank)
     cfg = training_config(pipeline_model_parallel_size=2, use_distributed_optimizer=True)
     zero_uninterrupted, zero_resumed = run_and_resume(cfg, model_config(), f"{save_root}/resume_zero")
     return {"logits": logits, "iterations": iterations, "mcore_missing": bad_missing,
@@ -135,9 +135,11 @@ def test_parallel_load_save_and_megatron_core_formats(hf_sources, tmp_path):
         assert r["resumed"] == r["uninterrupted"] and len(set(r["uninterrupted"])) == len(r["uninterrupted"])
         assert r["zero_resumed"] == r["zero_uninterrupted"]
     zero_dir = tmp_path / "saved/resume_zero/iter_0000002/mp_rank_00_001"
-    files = ["model_optim_rng.pt", "optim_dp_000.pt", "optim_dp_001.pt"]
-    assert sorted(p.name for p in zero_dir.iterdir()) == sorted(files + [f + ".sha256" for f in files])  # + checksums
-    assert "optimizer" not in safe_load(zero_dir / "model_optim_rng.pt")
+    # the distributed optimizer: param groups + scaler in model_optim_rng.pt, main weights and Adam
+    # moments of both dp ranks in distrib_optim.pt (Megatron-LM's layout); each with its checksum
+    files = ["distrib_optim.pt", "model_optim_rng.pt"]
+    assert sorted(p.name for p in zero_dir.iterdir()) == sorted(files + [f + ".sha256" for f in files])
+    assert "state" not in safe_load(zero_dir / "model_optim_rng.pt")["optimizer"]["optimizer"]
     resume_file = safe_load(tmp_path / "saved/resume/iter_0000002/mp_rank_01_001/model_optim_rng.pt")
     assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state"} <= set(resume_file)
     assert resume_file["args"].virtual_pipeline_model_parallel_size == 2

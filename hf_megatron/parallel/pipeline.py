@@ -254,25 +254,29 @@ def forward_backward(chunks: list, micro_batches: list[dict], *, loss_scale: flo
 
 
 # ----------------------------------------------------------------------------- tied embeddings
+def tied_embedding_params(chunks: list) -> list:
+    """This rank's copies of a word embedding tied across pipeline stages (first stage: the
+    embedding, last stage: the output layer); [] without pp > 1 and tied embeddings."""
+    grid = state.get_state()
+    chunks = [_unwrap(chunk) for chunk in chunks]
+    if grid.pp == 1 or not chunks[0].config.tie_word_embeddings or grid.group("embd") is None:
+        return []  # (no embedding group: a middle stage)
+    params = []
+    if chunks[0].pre_process:
+        params.append(chunks[0].embedding.word_embeddings.weight)
+    if chunks[-1].post_process:
+        params.append(chunks[-1].output_layer.weight)
+    return params
+
+
 def allreduce_embedding_grads(chunks: list) -> None:
     """Sum the word-embedding gradient (first stage) and its output-layer copy's (last stage):
     `.main_grad` where the mixed-precision optimizer keeps fp32 gradients, else `.grad`.
 
     y = x_out W^T on the last stage and e = W[ids] on the first use one matrix W in the tied
     model, so dL/dW = dL/dW_first + dL/dW_last; after the all-reduce both copies hold it."""
-    grid = state.get_state()
-    chunks = [_unwrap(chunk) for chunk in chunks]
-    if grid.pp == 1 or not chunks[0].config.tie_word_embeddings:
-        return
-    group = grid.group("embd")
-    if group is None:  # a middle stage: not in any embedding group
-        return
-    params = []
-    if chunks[0].pre_process:
-        params.append(chunks[0].embedding.word_embeddings.weight)
-    if chunks[-1].post_process:
-        params.append(chunks[-1].output_layer.weight)
-    for param in params:
+    group = state.get_state().group("embd")
+    for param in tied_embedding_params(chunks):
         if getattr(param, "main_grad", None) is not None:  # mixed precision: fp32 accumulator
             dist.all_reduce(param.main_grad, group=group)
             continue

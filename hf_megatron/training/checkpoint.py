@@ -8,10 +8,11 @@ format itself -- folder names, the rank file, staging, safe loading -- is hf_meg
         opt_param_scheduler, rng_state, args, iteration, checkpoint_version = 3.0
 
 Each model-parallel rank (tp, pp) with data-parallel rank 0 writes its own file, with layer
-numbers local to its pipeline stage.  An optimizer whose `state_dict()` differs per
-data-parallel rank (ZeRO) sets `state_dict_per_dp_rank = True`; then every data-parallel rank
-also writes `optim_dp_RRR.pt` next to it.  All files go to a staging folder first, which
-replaces the iteration folder in one step after every rank is done (also when that iteration
+numbers local to its pipeline stage.  The distributed optimizer (`sharded = True`) keeps param
+groups and loss scaler in model_optim_rng.pt and its main weights and Adam moments, gathered
+over dp onto dp rank 0, in `distrib_optim.pt` next to it (Megatron-LM's layout).  Loading also
+takes the former ZeRO-1's per-dp-rank `optim_dp_RRR.pt` files, into either optimizer.  All
+files go to a staging folder first, which replaces the iteration folder in one step after every rank is done (also when that iteration
 was saved before); then the tracker file is replaced: a crash never leaves a checkpoint that
 looks complete, and the tracker never names a missing folder.
 
@@ -39,6 +40,9 @@ from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
+from .optimizer_state import parameter_state_from
+
+DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
@@ -123,9 +127,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
     _barrier()
 
-    # state_dict() may be collective (ZeRO consolidation): every rank calls it
+    # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
-    per_dp = bool(getattr(optimizer, "state_dict_per_dp_rank", False))
+    param_state = optimizer.parameter_state() if getattr(optimizer, "sharded", False) else None
     rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
     if dp_rank == 0 and cp_rank == 0:
         extra, args = dict(extra or {}), dict(args or {})
@@ -133,12 +137,12 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args})
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
-                               optimizer=None if per_dp else optim_state,
+                               optimizer=optim_state,
                                opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
         write_rank_file(rank_dir, payload)
-    if per_dp and cp_rank == 0 and optim_state is not None:
+    if param_state is not None and cp_rank == 0:  # dp rank 0 holds the gathered state
         rank_dir.mkdir(exist_ok=True)
-        save_atomic({"optimizer": optim_state, "iteration": iteration}, rank_dir / optim_file_name(dp_rank))
+        save_atomic(param_state, rank_dir / DISTRIB_OPTIM_FILE)
     _barrier()
     if is_first:
         staging.commit()
@@ -218,14 +222,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
             raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
                                   f"unexpected {result.unexpected_keys[:4]}")
     if optimizer is not None:
-        if getattr(optimizer, "state_dict_per_dp_rank", False):
-            optim_state = safe_load(path.parent / optim_file_name(dp_rank))["optimizer"]
-        elif "optimizer" in payload:
-            optim_state = payload["optimizer"]
-        else:
-            raise CheckpointError(f"{path}: holds no optimizer state (a converted or weights-only checkpoint); "
-                                  f"load it without an optimizer (--finetune or --no-load-optim)")
-        optimizer.load_state_dict(optim_state)
+        _load_optimizer_state(optimizer, payload, path)
     if scheduler is not None and isinstance(payload.get("opt_param_scheduler"), dict):
         if scheduler_policy == "load":
             scheduler.load_state_dict(payload["opt_param_scheduler"])
@@ -245,6 +242,32 @@ def restore_rng(saved) -> bool:
     dp_rank = _coords()[3]
     set_rng_state(rng[dp_rank] if dp_rank < len(rng) else rng[0])
     return True
+
+
+def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
+    """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
+    distrib_optim.pt (the distributed optimizer), the former ZeRO-1's optim_dp_RRR.pt files,
+    or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
+    folder = path.parent
+    zero1_files = sorted(folder.glob("optim_dp_*.pt"))
+    if (folder / DISTRIB_OPTIM_FILE).is_file():
+        if "optimizer" not in payload:
+            raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
+        optimizer.load_state_dict(payload["optimizer"], parameter_state=safe_load(folder / DISTRIB_OPTIM_FILE))
+    elif zero1_files:
+        if [f.name for f in zero1_files] != [optim_file_name(r) for r in range(len(zero1_files))]:
+            raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1_files]} are not "
+                                  f"optim_dp_000.pt .. optim_dp_{len(zero1_files) - 1:03d}.pt")
+        states = [safe_load(f)["optimizer"] for f in zero1_files]
+        optimizer.load_state_dict(states[0], parameter_state=parameter_state_from(states, optimizer.model_params))
+    elif "optimizer" not in payload:
+        raise CheckpointError(f"{path}: holds no optimizer state (a converted or weights-only checkpoint); "
+                              f"load it without an optimizer (--finetune or --no-load-optim)")
+    elif getattr(optimizer, "sharded", False):
+        state = payload["optimizer"]
+        optimizer.load_state_dict(state, parameter_state=parameter_state_from([state], optimizer.model_params))
+    else:
+        optimizer.load_state_dict(payload["optimizer"])
 
 
 def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:

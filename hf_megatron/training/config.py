@@ -119,8 +119,18 @@ class TrainingConfig:
         None, group="parallelism", at_least=1, help="model chunks per pipeline stage (interleaved schedule)")
     sequence_parallel: bool = option(False, group="parallelism",
                                      help="shard norms and dropout over the sequence across TP ranks")
-    use_distributed_optimizer: bool = option(False, group="parallelism",
-                                             help="shard optimizer state over dp ranks (ZeRO-1)")
+    use_distributed_optimizer: bool = option(
+        False, group="parallelism",
+        help="Megatron's distributed optimizer: fp32 main weights and Adam state sharded over dp ranks by "
+             "contiguous ranges of the grad buffer (grads reduce-scattered, params all-gathered)")
+    overlap_grad_reduce: bool = option(False, group="parallelism",
+                                       help="launch each grad bucket's dp reduction during the last micro batch's "
+                                            "backward")
+    overlap_param_gather: bool = option(False, group="parallelism",
+                                        help="distributed optimizer: overlap each bucket's param all-gather with the "
+                                             "next forward")
+    ddp_bucket_size: int | None = option(None, group="parallelism", at_least=1,
+                                         help="elements per dp-reduction bucket (default: max(40M, 1M x dp))")
     recompute_granularity: str | None = option(None, group="training", choices=RECOMPUTE_GRANULARITIES,
                                                help="activation recomputation (default: none)")
     torch_compile: bool = option(False, group="speed",
@@ -151,6 +161,9 @@ class TrainingConfig:
                               f"horizon {horizon} (--lr-decay-iters, else --train-iters), got {self.lr_warmup_iters}")
         if self.min_lr > self.lr:
             raise ConfigError(f"TrainingConfig.min_lr (--min-lr): expected at most --lr {self.lr}, got {self.min_lr}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("TrainingConfig.overlap_param_gather (--overlap-param-gather): expected "
+                              "--use-distributed-optimizer as well (only its params are gathered)")
         if (self.virtual_pipeline_model_parallel_size or 1) > 1 and self.pipeline_model_parallel_size == 1:
             raise ConfigError("TrainingConfig.virtual_pipeline_model_parallel_size (--virtual-pipeline-model-"
                               "parallel-size): expected --pipeline-model-parallel-size > 1, got "

@@ -1,10 +1,11 @@
 """Mixed-precision AdamW with fp32 main weights, dynamic loss scaling and global-norm clipping.
 
-Precision.  Model params may be bf16/fp16.  Each such param gets
-  * `p.main_grad`: an fp32 buffer; a post-accumulate-grad hook adds every micro batch's
-    gradient into it and frees `p.grad`, so accumulation over micro batches is in fp32;
-  * an fp32 *main* copy that the optimizer updates; after the step it is cast back into p.
-fp32 params are their own main params and accumulate in `.grad`.
+Precision.  Model params may be bf16/fp16/fp32.  Each param gets
+  * `p.main_grad`: an fp32 view into one contiguous grad buffer (parallel/grad_buffer.py); a
+    post-accumulate-grad hook adds every micro batch's gradient into it and frees `p.grad`, so
+    accumulation over micro batches is in fp32 and the dp sum runs on a few flat buckets;
+  * for bf16/fp16 params an fp32 *main* copy that the optimizer updates, cast back into p after
+    the step; fp32 params are their own main params.
 
 Loss scaling (fp16).  The loss is multiplied by S before backward; after the grad reductions the
 main grads are multiplied by 1/S.  If any grad on any rank is inf/nan the step is skipped; after
@@ -19,8 +20,8 @@ dp, so dp ranks hold identical norms.  If ||g|| > clip: g <- g * clip / (||g|| +
 
 Weight decay is not applied to biases and norm weights (every 1-D parameter).
 
-ZeRO-1 (`distributed=True`): fp32 main weights and Adam moments exist only on the dp rank that
-owns a parameter; the other dp ranks receive the updated (model-dtype) parameter by broadcast.
+Megatron's distributed optimizer (training/distributed_optimizer.py) shards main weights and
+Adam moments over dp by contiguous ranges of the grad buffer.
 """
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..parallel import state
-from ..parallel.data_parallel import ZeroShards, grad_of
+from ..errors import CheckpointError
+from ..parallel import pipeline, state
+from ..parallel.data_parallel import grad_of
+from ..parallel.grad_buffer import GradBuffer
+from .optimizer_state import MOMENTS, check_parameter_state
 
 
 def param_groups(chunks, weight_decay: float) -> list[dict]:
@@ -104,39 +108,44 @@ def _counted_in_norm(chunk, name: str, p: torch.Tensor) -> bool:
 class MixedPrecisionOptimizer:
     """AdamW over the params of this rank's model chunks (see the module docstring).
 
-    `distributed=True` is ZeRO-1 over the dp group: a dp rank keeps fp32 main weights and Adam
-    moments only for the params it owns (`ZeroShards`), steps those, and the updated model params
-    are broadcast from their owners.  Its `state_dict` is then per dp rank
-    (`state_dict_per_dp_rank`, which the checkpoint writer honours)."""
+    Gradients live in a `GradBuffer` (parallel/grad_buffer.py): one fp32 buffer, every param's
+    `main_grad` a view of it, summed over dp by bucket (`overlap_grad_reduce`: launched during
+    the last micro batch's backward).  The inner AdamW steps `main_params` (aligned lists:
+    `main_params[i]` is updated with `_main_grads()[i]` and cast back into `_model_views[i]`,
+    None where the main tensor is the model tensor itself).  `DistributedOptimizer` keeps the
+    same step, over this dp rank's shard."""
+
+    sharded = False  # DistributedOptimizer: state is per dp shard (distrib_optim.pt)
 
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
-                 clip_grad: float = 1.0, loss_scaler: LossScaler | None = None,
-                 distributed: bool = False) -> None:
+                 clip_grad: float = 1.0, loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
+                 bucket_size: int | None = None) -> None:
         self.chunks = list(chunks)
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
         groups = param_groups(self.chunks, weight_decay)
         self.model_params = [p for g in groups for p in g["params"]]
-        self.zero = ZeroShards(self.model_params) if distributed else None
-        self.state_dict_per_dp_rank = distributed
-        self.owned = [self.zero is None or self.zero.owns(i) for i in range(len(self.model_params))]
-        # fp32 main weights: the param itself when fp32; a copy for bf16/fp16 params we own
-        self.main_params: list[torch.Tensor | None] = []
-        self._hooks = []
-        for p, owned in zip(self.model_params, self.owned):
-            if p.dtype != torch.float32:
-                p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                self._hooks.append(p.register_post_accumulate_grad_hook(_accumulate_main_grad))
-            self.main_params.append((p if p.dtype == torch.float32 else p.detach().clone().float()) if owned else None)
+        self.dp_group = state.get_state().group("dp")
+        self.grad_buffer = GradBuffer(self.chunks, self.model_params, self.dp_group, bucket_size,
+                                      overlap=overlap_grad_reduce, reduce_scatter=self.sharded,
+                                      shard_params=self.sharded, alone=pipeline.tied_embedding_params(self.chunks))
         counted = {id(p) for c in self.chunks for n, p in c.named_parameters() if _counted_in_norm(c, n, p)}
-        self.norm_mask = [id(p) in counted for p in self.model_params]
-
-        main_of = {id(p): m for p, m in zip(self.model_params, self.main_params)}
-        inner_groups = [{**{k: v for k, v in g.items() if k != "params"},
-                         "params": [main_of[id(p)] for p in g["params"] if main_of[id(p)] is not None]}
-                        for g in groups]
+        inner_groups = self._build_main_params(groups, counted)
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self.optimizer = make_adam(inner_groups, lr, betas, eps, device)
+
+    def _build_main_params(self, groups: list[dict], counted: set[int]) -> list[dict]:
+        """fp32 main weights, one per param: the param itself when fp32, else a copy."""
+        self.main_params, self._model_views, self.norm_mask = [], [], []
+        self.fragments = [(p, 0, p.numel()) for p in self.model_params]  # (param, lo, hi): flat elements stepped here
+        for p in self.model_params:
+            low = p.dtype != torch.float32
+            self.main_params.append(p.detach().clone().float() if low else p)
+            self._model_views.append(p if low else None)
+            self.norm_mask.append(id(p) in counted)
+        main_of = {id(p): m for p, m in zip(self.model_params, self.main_params)}
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [main_of[id(p)] for p in g["params"]]}
+                for g in groups]
 
     # ---------------------------------------------------------------- views
     @property
@@ -147,28 +156,31 @@ class MixedPrecisionOptimizer:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
-    def grads(self) -> list[torch.Tensor | None]:
+    def grads(self) -> list[torch.Tensor]:
+        """Every model param's accumulated gradient (fp32 `main_grad`)."""
         return [grad_of(p) for p in self.model_params]
 
-    def zero_grad(self) -> None:
-        main_grads = []
+    def _main_grads(self) -> list[torch.Tensor]:
+        """The gradients aligned with `main_params`."""
+        return self.grads()
+
+    def zero_grad(self, num_micro_batches: int | None = None) -> None:
+        """Zero the grad buffer; `num_micro_batches` lets overlap_grad_reduce launch each bucket's
+        reduction in the last micro batch (None: all reductions wait for `finish_grad_sync`)."""
         for p in self.model_params:
             p.grad = None
-            if getattr(p, "main_grad", None) is not None:
-                main_grads.append(p.main_grad)
-        if main_grads:
-            torch._foreach_zero_(main_grads)  # one launch per group of tensors, not one per param
+        self.grad_buffer.zero(num_micro_batches)
 
-    def _pairs(self):
-        """(model param, main param) for the params this rank updates."""
-        return [(p, m) for p, m in zip(self.model_params, self.main_params) if m is not None]
+    def finish_grad_sync(self) -> None:
+        """Wait for (or, without overlap, run) the dp reduction of every bucket."""
+        self.grad_buffer.finish()
 
     # ---------------------------------------------------------------- step
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
         """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm or None if skipped)."""
-        grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
-                 for g, p in zip(self.grads(), self.model_params)]
+        self.finish_grad_sync()
+        grads = self._main_grads()
         if self.scaler.dynamic or self.scaler.scale != 1.0:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
             found_inf = self._unscale_and_check(grads)
@@ -185,19 +197,18 @@ class MixedPrecisionOptimizer:
             if coeff < 1.0:
                 torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
-            if main is not None:
-                main.grad = g
+            main.grad = g
         self.optimizer.step()
-        halves = []
-        for p, main in self._pairs():
+        copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
+        for main in self.main_params:
             main.grad = None
-            if main is not p:
-                halves.append((p, main))
-        if halves:
-            torch._foreach_copy_([p for p, _ in halves], [m for _, m in halves])  # cast back, fused
-        if self.zero is not None:
-            self.zero.broadcast()
+        if copies:
+            torch._foreach_copy_([v for v, _ in copies], [m for _, m in copies])  # cast back, fused
+        self._after_update()
         return True, norm
+
+    def _after_update(self) -> None:
+        """Hook for DistributedOptimizer (all-gather the updated params)."""
 
     def _unscale_and_check(self, grads) -> bool:
         """grads *= 1/S in place; True if any grad on any rank is inf/nan (one host sync)."""
@@ -210,38 +221,74 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # every rank must skip together
         return bool(found.item())
 
+    def _norm_groups(self) -> list:
+        """Groups over which the squared norm is summed (dp ranks hold identical full grads)."""
+        return [state.get_state().group("mp")]
+
     def grad_norm(self, grads=None) -> float:
-        grads = self.grads() if grads is None else grads
-        counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g is not None]
+        grads = self._main_grads() if grads is None else grads
+        counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g.numel()]
         device = grads[0].device if grads else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
         if counted:
             total = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
-        group = state.get_state().group("mp")
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+        for group in self._norm_groups():
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(total, group=group)
         return float(total.sqrt())
 
     # ---------------------------------------------------------------- checkpoint
+    def _halves(self):
+        """(main, model view) of the low-precision params (fp32_from_fp16_params order)."""
+        return [(m, v) for m, v in zip(self.main_params, self._model_views) if v is not None]
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict(),
-                "fp32_from_fp16_params": [m.detach().clone() for p, m in self._pairs() if m is not p]}
+                "fp32_from_fp16_params": [m.detach().clone() for m, _ in self._halves()]}
 
-    def load_state_dict(self, sd: dict) -> None:
-        halves = [(p, m) for p, m in self._pairs() if m is not p]
+    def load_state_dict(self, sd: dict, parameter_state: dict | None = None) -> None:
+        """`sd` as `state_dict()` wrote it; or, with a distributed optimizer's `parameter_state`
+        (distrib_optim.pt), only hyper-parameters and scaler from `sd`."""
+        if parameter_state is not None:
+            self.load_parameter_state(sd, parameter_state)
+            return
+        halves = self._halves()
         if len(halves) != len(sd.get("fp32_from_fp16_params", [])):
             raise ValueError(f"optimizer state: {len(sd.get('fp32_from_fp16_params', []))} fp32_from_fp16_params "
                              f"saved, the model has {len(halves)} low-precision params on this rank")
         self.optimizer.load_state_dict(sd["optimizer"])
         self.scaler.load_state_dict(sd["grad_scaler"])
         with torch.no_grad():
-            for (p, main), saved in zip(halves, sd["fp32_from_fp16_params"]):
+            for (main, view), saved in zip(halves, sd["fp32_from_fp16_params"]):
                 main.copy_(saved)
-                p.copy_(saved)
-        if self.zero is not None:
-            self.zero.broadcast()
+                view.copy_(saved)
 
 
-def _accumulate_main_grad(p: torch.Tensor) -> None:
-    p.main_grad.add_(p.grad)
-    p.grad = None
+
+    @torch.no_grad()
+    def load_parameter_state(self, sd: dict, parameter_state: dict) -> None:
+        """Main weights and AdamW moments of `fragments` from a parameter state (optimizer_state.py),
+        hyper-parameters and loss scaler from `sd`."""
+        saved_groups = sd["optimizer"]["param_groups"]
+        if len(saved_groups) != len(self.optimizer.param_groups):
+            raise CheckpointError(f"optimizer state: {len(saved_groups)} param groups saved, this optimizer has "
+                                  f"{len(self.optimizer.param_groups)}")
+        check_parameter_state(parameter_state, self.model_params)
+        self.scaler.load_state_dict(sd["grad_scaler"])
+        starts = torch.tensor([0] + list(parameter_state["numels"])).cumsum(0).tolist()
+        start_of = {id(p): s for p, s in zip(self.model_params, starts)}
+        step, inner_state = parameter_state["step"], {}
+        for index, ((p, lo, hi), main, view) in enumerate(zip(self.fragments, self.main_params, self._model_views)):
+            at = start_of[id(p)]
+            main.view(-1).copy_(parameter_state["param"][at + lo:at + hi])
+            if view is not None:
+                view.copy_(main)
+            if step:
+                inner_state[index] = {"step": torch.tensor(float(step)),
+                                      **{k: parameter_state[k][at + lo:at + hi].to(main.device).view_as(main).clone()
+                                         for k in MOMENTS}}
+        groups, index = [], 0
+        for saved, live in zip(saved_groups, self.optimizer.param_groups):
+            groups.append({**saved, "params": list(range(index, index + len(live["params"])))})
+            index += len(live["params"])
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})

@@ -18,9 +18,13 @@ micro batches of all dp ranks.  N is all-reduced over dp *before* backward, ever
 back-propagates  loss_sum * S / N  (S = fp16 loss scale, else 1), and gradients are then
 SUMMED over dp -- so any split of the global batch gives the gradient of the same L.
 
-Order after backward (Megatron's): sequence-parallel grads all-reduced over TP, tied embedding
-grads over the embedding group, all grads summed over dp, then unscale / inf check / clip /
-AdamW / cast back (optimizer), then the LR schedule advances (only after a real update).
+Order after backward (Megatron's finalize_model_grads): all grads summed over dp (per bucket of
+the grad buffer; with --overlap-grad-reduce the buckets were launched during the last micro
+batch's backward and are only waited for here; with the distributed optimizer a reduce-scatter,
+each dp rank then holds its shard), sequence-parallel grads all-reduced over TP, tied embedding
+grads over the embedding group -- elementwise sums, so a shard stays right -- then unscale / inf
+check / clip / AdamW / cast back (optimizer; the distributed optimizer all-gathers the updated
+params), then the LR schedule advances (only after a real update).
 """
 from __future__ import annotations
 
@@ -31,9 +35,10 @@ import torch.distributed as dist
 
 from ..loading import build_model_chunks
 from ..parallel import pipeline, state
-from ..parallel.data_parallel import allreduce_grads, allreduce_tensors, grad_of, micro_batches_for_rank
+from ..parallel.data_parallel import allreduce_tensors, grad_of, micro_batches_for_rank
 from ..parallel.random import model_parallel_seed
 from .config import TrainingConfig  # noqa: F401  (re-exported: code imports it from here)
+from .distributed_optimizer import DistributedOptimizer
 from .optimizer import LossScaler, MixedPrecisionOptimizer
 from .schedules import LRScheduler
 
@@ -62,10 +67,12 @@ def build_optimizer(chunks, cfg: TrainingConfig) -> MixedPrecisionOptimizer:
                             min_scale=cfg.min_loss_scale, window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
     else:
         scaler = LossScaler()
-    return MixedPrecisionOptimizer(chunks, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                   clip_grad=cfg.clip_grad, loss_scaler=scaler,
-                                   distributed=cfg.use_distributed_optimizer)
+    kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                  clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                  bucket_size=cfg.ddp_bucket_size)
+    if cfg.use_distributed_optimizer:
+        return DistributedOptimizer(chunks, overlap_param_gather=cfg.overlap_param_gather, **kwargs)
+    return MixedPrecisionOptimizer(chunks, **kwargs)
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig) -> LRScheduler:
@@ -110,7 +117,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     grid = state.get_state()
     for chunk in chunks:
         chunk.train()
-    optimizer.zero_grad()
+    optimizer.zero_grad(num_micro_batches=len(micro_batches))  # overlap: buckets reduce in the last one
     device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
                          grid.group("dp"))
@@ -119,10 +126,9 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     out = pipeline.forward_backward(chunks, micro_batches, loss_scale=loss_scale / global_tokens)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
 
-    params = optimizer.model_params
-    sync_sequence_parallel_grads(params)
-    pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad when mixed precision)
-    allreduce_grads(params, grid.group("dp"))
+    optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
+    sync_sequence_parallel_grads(optimizer.model_params)
+    pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
     updated, grad_norm = optimizer.step()
     if updated and scheduler is not None:
         scheduler.step()
