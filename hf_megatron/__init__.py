@@ -5,4 +5,13 @@ from .loading import from_pretrained
 from .model import GPTModel
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "ConfigError", "GPTModel", "from_pretrained", "__version__"]
+__all__ = ["ModelConfig", "ConfigError", "GPTModel", "from_pretrained", "Accelerator", "__version__"]
+
+
+def __getattr__(name: str):
+    # `from hf_megatron import Accelerator`: imported on first use, so `import hf_megatron` stays
+    # free of accelerate
+    if name == "Accelerator":
+        from .integrations.accelerate import Accelerator
+        return Accelerator
+    raise AttributeError(f"module 'hf_megatron' has no attribute {name!r}")

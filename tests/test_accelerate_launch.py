@@ -13,7 +13,8 @@ from transformers import get_cosine_schedule_with_warmup
 from tiny import rel_err, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, BATCH, SEQ, LR = 3, 4, 16, 1e-3
+STEPS, MICRO, NUM_MICRO, SEQ, LR = 3, 2, 2, 16, 1e-3
+BATCH = MICRO * NUM_MICRO  # samples per step at dp 1 (accelerate: micro batch x num_micro_batches x dp)
 
 YAML = """compute_environment: LOCAL_MACHINE
 distributed_type: MEGATRON_LM
@@ -37,7 +38,8 @@ megatron_lm_config:
 def _reference_losses(model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.randint(0, model.config.vocab_size, (SEQ * BATCH * STEPS,), generator=torch.Generator().manual_seed(0))
+    # the same draw as examples/accelerate/train.py makes
+    ids = torch.randint(0, model.config.vocab_size, (SEQ * MICRO * STEPS * 64,), generator=torch.Generator().manual_seed(0))
     blocks = ids.view(-1, SEQ)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     scheduler = get_cosine_schedule_with_warmup(optimizer, 0, STEPS)
@@ -63,7 +65,7 @@ def test_accelerate_launch_megatron_config_matches_plain_training(tmp_path):
     log = tmp_path / "losses.json"
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(config), str(ROOT / "examples/accelerate/train.py"),
-           "--model", str(tmp_path / "model"), "--steps", str(STEPS), "--batch-size", str(BATCH),
+           "--model", str(tmp_path / "model"), "--steps", str(STEPS), "--batch-size", str(MICRO),
            "--seq-len", str(SEQ), "--lr", str(LR), "--log-file", str(log), "--save", str(tmp_path / "ckpt"),
            "--save-hf", str(tmp_path / "hf_out")]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_cosine_schedule_with_warmup
 
-from hf_megatron.integrations.accelerate import Accelerator
+from hf_megatron import Accelerator
 
 
 def token_blocks(args) -> torch.Tensor:
@@ -22,7 +22,7 @@ def token_blocks(args) -> torch.Tensor:
         ids = tokenizer(open(args.text_file, encoding="utf-8").read(), return_tensors="pt").input_ids[0]
     else:  # random tokens: a smoke run without any data
         vocab = AutoModelForCausalLM.from_pretrained(args.model).config.vocab_size
-        ids = torch.randint(0, vocab, (args.seq_len * args.batch_size * args.steps,),
+        ids = torch.randint(0, vocab, (args.seq_len * args.batch_size * args.steps * 64,),
                             generator=torch.Generator().manual_seed(args.seed))
     usable = ids.numel() // args.seq_len * args.seq_len
     if usable == 0:
@@ -36,7 +36,9 @@ def main():
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--text-file", default=None)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=4, help="per data-parallel rank, per step")
+    parser.add_argument("--batch-size", type=int, default=2,
+                        help="micro batch size (accelerate's Megatron-LM meaning: each step takes "
+                             "batch size x num_micro_batches samples per data-parallel rank)")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -68,9 +70,9 @@ def main():
         losses.append(loss.item())
         accelerator.print(f"step {step + 1:4d}  loss {loss.item():.4f}")
     if args.save:
-        accelerator.save_megatron_checkpoint(args.save)
+        accelerator.save_state(args.save)  # Megatron-LM layout (+ transformers weights beside it)
     if args.save_hf:
-        accelerator.save_pretrained(args.save_hf)
+        accelerator.save_model(model, args.save_hf)  # a folder AutoModelForCausalLM.from_pretrained loads
     if args.log_file and accelerator.is_main_process:
         with open(args.log_file, "w") as f:
             json.dump({"losses": losses}, f)

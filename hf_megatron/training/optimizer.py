@@ -109,11 +109,11 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None,
-                 distributed: bool = False) -> None:
+                 distributed: bool = False, groups: list[dict] | None = None) -> None:
         self.chunks = list(chunks)
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
-        groups = param_groups(self.chunks, weight_decay)
+        groups = param_groups(self.chunks, weight_decay) if groups is None else groups  # caller's groups kept
         self.model_params = [p for g in groups for p in g["params"]]
         self.zero = ZeroShards(self.model_params) if distributed else None
         self.state_dict_per_dp_rank = distributed
