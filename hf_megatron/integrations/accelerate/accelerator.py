@@ -4,8 +4,10 @@ Under a Megatron-LM config (`distributed_type: MEGATRON_LM`, or `megatron_lm_plu
 it behaves as accelerate documents its Megatron-LM integration:
 * `distributed_type` is `DistributedType.MEGATRON_LM`, `state.megatron_lm_plugin` the plugin
   (with `micro_batch_size`, `global_batch_size`, `num_micro_batches`, `return_logits`, ...);
-  `num_processes` is the world size; `is_main_process` / `is_local_main_process` are the *last*
-  rank (where Megatron's losses live; here every rank has them).
+  `num_processes` is the world size.  On purpose unlike accelerate's Megatron-LM path,
+  `is_main_process` is global rank 0 (not the last rank): every rank here has the losses and
+  logits, and transformers 5's `save_pretrained(is_main_process=...)` writes only on rank 0,
+  so "main = last rank" would make it write nothing.
 * `prepare` takes the objects in any calls and any order and returns the engine (engine.py),
   optimizer and scheduler stand-ins whose step() / zero_grad() do nothing (the engine steps),
   and dp-sharded DataLoaders (loaders.py).
@@ -30,7 +32,7 @@ from ...errors import ConfigError
 from ...parallel import state
 from ...training import trainer
 from . import state_io
-from .engine import MegatronEngine
+from .engine import MegatronEngine, follow_user_lr
 from .loaders import prepare_loader
 from .param_groups import chunk_param_groups, hf_param_refs
 from .plugin import ENV_FLAG, megatron_requested, schedule_fields, training_config_from_plugin
@@ -83,9 +85,9 @@ class Accelerator(accelerate.Accelerator):
         plugin.micro_batch_size = getattr(plugin, "micro_batch_size", None)
         plugin.global_batch_size = getattr(plugin, "global_batch_size", None)
         self.state.megatron_lm_plugin = plugin
-        # what accelerate itself sets under Megatron-LM (AcceleratorState and PartialState keep their own copies)
+        # what accelerate sets under Megatron-LM, on AcceleratorState only: PartialState keeps
+        # MULTI_CPU / MULTI_GPU, so its barriers, main-process tests (rank 0) and logging work
         self.state.distributed_type = DistributedType.MEGATRON_LM
-        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.MEGATRON_LM
         self._engine: MegatronEngine | None = None
         self._hf_refs = None
         self._pending: list = []  # optimizer / scheduler stand-ins waiting for the model
@@ -95,8 +97,6 @@ class Accelerator(accelerate.Accelerator):
     def _plugin(self):
         return self.state.megatron_lm_plugin
 
-    def _main_rank(self) -> int:
-        return self.num_processes - 1  # accelerate's Megatron-LM main process: the last rank
 
     def _need_engine(self, api: str) -> MegatronEngine:
         if self._engine is None:
@@ -201,9 +201,7 @@ class Accelerator(accelerate.Accelerator):
                 engine.scheduler = trainer.build_scheduler(engine.optimizer, cfg)
             else:  # a torch schedule: the engine follows its lr after every update
                 engine.user_scheduler = original
-                base = original.get_last_lr()[0]
-                for group in engine.optimizer.param_groups:
-                    group["lr"] = base * group.get("lr_mult", 1.0)
+                follow_user_lr(engine.optimizer, original)
             wrapped.bind(engine)
             return
         optimizer = wrapped.original
@@ -246,38 +244,6 @@ class Accelerator(accelerate.Accelerator):
                               f"inside model(**batch) at megatron_lm_gradient_clipping="
                               f"{self.megatron_config.clip_grad}; set that instead")
         return None  # done inside the step, at the same norm
-
-    # ------------------------------------------------------------------ processes
-    def wait_for_everyone(self):
-        if not self.megatron:
-            return super().wait_for_everyone()
-        _barrier()  # accelerate's own wait_for_everyone skips MEGATRON_LM
-
-    @contextlib.contextmanager
-    def main_process_first(self):
-        if not self.megatron:
-            with super().main_process_first():
-                yield
-            return
-        with self._goes_first(self.is_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def local_main_process_first(self):
-        if not self.megatron:
-            with super().local_main_process_first():
-                yield
-            return
-        with self._goes_first(self.is_local_main_process):
-            yield
-
-    @contextlib.contextmanager
-    def _goes_first(self, first: bool):
-        if not first:
-            _barrier()
-        yield
-        if first:
-            _barrier()
 
     # ------------------------------------------------------------------ metrics over the dp group
     def gather(self, tensor):
@@ -349,7 +315,7 @@ class Accelerator(accelerate.Accelerator):
         if not (self.megatron and isinstance(model, MegatronEngine)):
             return super().get_state_dict(model, unwrap)
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=self._main_rank() if _distributed() else 0)
+        full = gather_full(chunks, dst=0)
         return hf_state_dict(full, chunks[0].config) if full is not None else {}
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
@@ -361,7 +327,7 @@ class Accelerator(accelerate.Accelerator):
             raise ConfigError("accelerator.save_model(safe_serialization=False) is not supported under Megatron-LM; "
                               "it writes safetensors")
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=self._main_rank() if _distributed() else 0)
+        full = gather_full(chunks, dst=0)
         if full is not None:
             write_hf_folder(full, chunks[0].config, save_directory, max_shard_size)
         _barrier()

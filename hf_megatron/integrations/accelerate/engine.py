@@ -31,6 +31,16 @@ from .batches import micro_batches
 from .logits import forward_with_logits
 
 
+def follow_user_lr(optimizer, user_scheduler) -> None:
+    """Our groups take the lr a torch schedule gave the user's groups they came from.  (A schedule
+    built on the prepared optimizer already set ours: its param_groups are ours.)"""
+    source = user_scheduler.optimizer.param_groups
+    if source is optimizer.param_groups:
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = source[group.get("user_group", 0)]["lr"]
+
+
 def _output(loss: torch.Tensor, logits: torch.Tensor | None = None):
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
@@ -110,9 +120,7 @@ class MegatronEngine(nn.Module):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the user's optimizer is never stepped: by design
             self.user_scheduler.step()
-        base = self.user_scheduler.get_last_lr()[0]
-        for group in self.optimizer.param_groups:
-            group["lr"] = base * group.get("lr_mult", 1.0)
+        follow_user_lr(self.optimizer, self.user_scheduler)
 
     @torch.no_grad()
     def _evaluate(self, batch: dict):

@@ -5,7 +5,7 @@ A torch optimizer built over the transformers model holds groups of *its* parame
 transformers parameters (the architecture's mapping table: q/k/v -> linear_qkv, gate/up ->
 linear_fc1, ...); it joins the group they belong to.  Per-group options kept: weight_decay,
 betas, eps, and lr as a multiplier of the optimizer's base lr (`lr_mult`, which the LR
-schedules scale).  A chunk parameter whose sources sit in different groups, or in none, is
+schedules scale; `user_group` says which user group it came from).  A chunk parameter whose sources sit in different groups, or in none, is
 refused in one line.
 """
 from __future__ import annotations
@@ -69,5 +69,5 @@ def chunk_param_groups(optimizer: torch.optim.Optimizer, hf_refs: dict[str, "wea
         options = {name: _option(group, optimizer.defaults, name) for name in KEPT_OPTIONS}
         lr = group.get("lr", base_lr)
         out.append({"params": members[index], **{k: v for k, v in options.items() if v is not None},
-                    "lr": lr, "lr_mult": lr / base_lr if base_lr else 1.0})
+                    "lr": lr, "lr_mult": lr / base_lr if base_lr else 1.0, "user_group": index})
     return out

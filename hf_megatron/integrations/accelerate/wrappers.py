@@ -5,6 +5,8 @@ MegatronLMOptimizerWrapper / MegatronLMSchedulerWrapper behave the same.  Everyt
 is prepared (the user's object before that: objects may be prepared in any order)."""
 from __future__ import annotations
 
+import torch
+
 
 class _Prepared:
     def __init__(self, original, accelerator):
@@ -30,7 +32,21 @@ class _Prepared:
         return getattr(self._target(), name)
 
 
-class PreparedOptimizer(_Prepared):
+class PreparedOptimizer(_Prepared, torch.optim.Optimizer):
+    """A torch Optimizer by type (as accelerate's AcceleratedOptimizer), so a transformers / torch
+    LR schedule can be built on it; such a schedule then sets our groups' lr directly."""
+
+    def __init__(self, original, accelerator):  # Optimizer.__init__ is not called: nothing of its own
+        _Prepared.__init__(self, original, accelerator)
+
+    @property
+    def defaults(self):
+        return self.original.defaults
+
+    @property
+    def state(self):
+        return self._target().state if self._engine is not None else self.original.state
+
     def _target(self):
         engine = self._engine
         return engine.optimizer if engine is not None and engine.optimizer is not None else self.original
