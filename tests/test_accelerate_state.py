@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dist import run_distributed
+from tiny import rel_err
 
 SEQ = 16
 
@@ -53,8 +54,26 @@ def _train(model, batches, steps):
     return [model(**next(batches)).loss.item() for _ in range(steps)]
 
 
+def _eval_outputs(accelerator, model):
+    """Eval of a 5-sample batch (not a multiple of the micro batches) with and without logits."""
+    model.eval()
+    batch = {"input_ids": _blocks(5, model.config.vocab_size, seed=9)}
+    batch["labels"] = batch["input_ids"]
+    plain = model(**batch)
+    accelerator.state.megatron_lm_plugin.return_logits = True
+    with_logits = model(**batch)
+    accelerator.state.megatron_lm_plugin.return_logits = False
+    return {"loss": plain.loss.item(), "logits_loss": with_logits.loss.item(), "logits": with_logits.logits,
+            "hf": accelerator.unwrap_model(model), "batch": batch}
+
+
 def _round_trip(rank, world, tp, pp, folder):
     accelerator, (model, optimizer, loader, scheduler) = _setup(tp, pp)
+    evals = _eval_outputs(accelerator, model)
+    hf = evals.pop("hf")
+    with torch.no_grad():
+        reference = hf(**evals.pop("batch"))
+    evals.update(hf_loss=reference.loss.item(), hf_logits=reference.logits)
     batches = iter(loader)
     first = _train(model, batches, 2)
     accelerator.save_state(folder)
@@ -65,7 +84,7 @@ def _round_trip(rank, world, tp, pp, folder):
     batches = iter(loader)
     _ = [next(batches) for _ in range(2)]  # skip what was trained on, as the example scripts do
     again = _train(model, batches, 2)
-    return {"first": first, "after": after, "again": again, "weights": weights,
+    return {"evals": evals, "first": first, "after": after, "again": again, "weights": weights,
             "weights_again": accelerator.get_state_dict(model), "lr": lr, "lr_again": scheduler.get_last_lr()}
 
 
@@ -79,3 +98,87 @@ def test_save_state_load_state_continue_exactly(tmp_path, tp, pp):
     for name, tensor in main["weights"].items():
         assert torch.equal(tensor, main["weights_again"][name]), name
     assert all(r["weights"] == {} for r in results[1:])  # get_state_dict: the main process only
+    # eval: any batch size, loss and full-vocabulary logits on every rank, as transformers gives them
+    for r in results:
+        e = r["evals"]
+        assert abs(e["loss"] - e["hf_loss"]) <= 1e-5 * e["hf_loss"], e
+        assert abs(e["logits_loss"] - e["hf_loss"]) <= 1e-5 * e["hf_loss"], e
+        assert e["logits"].shape == e["hf_logits"].shape
+        assert rel_err(e["logits"], e["hf_logits"]) <= 1e-5
+
+
+def _gather_dp(rank, world):
+    from torch.utils.data import DataLoader
+
+    from hf_megatron import Accelerator
+    from tiny import tiny_hf_model
+    _env(1, 1)
+    _reset_accelerate()
+    accelerator = Accelerator()
+    model = tiny_hf_model("llama")
+    samples = [{"input_ids": b} for b in _blocks(5, model.config.vocab_size, seed=4)]
+    model, loader = accelerator.prepare(model, DataLoader(samples, batch_size=1))  # 2 x 1 per dp rank
+    gathered = []
+    for batch in loader:
+        gathered.append(accelerator.gather_for_metrics(batch["input_ids"]))
+    plugin = accelerator.state.megatron_lm_plugin
+    return {"gathered": torch.cat(gathered), "expected": torch.stack([s["input_ids"] for s in samples]),
+            "batches": len(loader), "global_batch_size": plugin.global_batch_size,
+            "micro_batch_size": plugin.micro_batch_size, "distributed_type": str(accelerator.distributed_type),
+            "main": accelerator.is_main_process, "num_processes": accelerator.num_processes}
+
+
+def test_gather_for_metrics_over_data_parallel_ranks_drops_duplicates():
+    results = run_distributed(_gather_dp, world_size=2)
+    for rank, r in enumerate(results):
+        assert torch.equal(r["gathered"], r["expected"])  # 5 samples, not 6 or 8
+        assert r["batches"] == 2 and r["micro_batch_size"] == 1 and r["global_batch_size"] == 4
+        assert r["distributed_type"] == "DistributedType.MEGATRON_LM" and r["num_processes"] == 2
+        assert r["main"] == (rank == 1)  # accelerate: the last rank under Megatron-LM
+
+
+def _errors(rank, world):
+    from accelerate.utils import MegatronLMPlugin
+    from torch.utils.data import DataLoader
+
+    from hf_megatron import Accelerator
+    from hf_megatron.errors import ConfigError
+    from tiny import tiny_hf_model
+    _env(1, 1)
+    messages = {}
+
+    def expect(key, fn):
+        try:
+            fn()
+        except ConfigError as exc:
+            messages[key] = str(exc)
+        else:
+            messages[key] = None
+
+    _reset_accelerate()
+    expect("custom_train_step", lambda: Accelerator(megatron_lm_plugin=MegatronLMPlugin(custom_train_step_class=object)))
+    _reset_accelerate()
+    accelerator = Accelerator()
+    hf = tiny_hf_model("gpt2")
+    expect("sgd", lambda: accelerator.prepare(torch.optim.SGD(hf.parameters(), lr=0.1)))
+    model = accelerator.prepare(hf)
+    expect("train_without_optimizer", lambda: model(input_ids=_blocks(2, 300)))
+    expect("unknown_input", lambda: model.eval()(input_ids=_blocks(2, 300), token_type_ids=_blocks(2, 300)))
+    expect("second_model", lambda: accelerator.prepare(tiny_hf_model("gpt2")))
+    expect("clip", lambda: accelerator.clip_grad_norm_(model.parameters(), 0.5))
+    half = [p for n, p in hf.named_parameters() if "c_attn" not in n]
+    expect("missing_params", lambda: accelerator.prepare(torch.optim.AdamW(half, lr=1e-3)))
+    expect("loader_without_batch_size",
+           lambda: accelerator.prepare(DataLoader(list(range(4)), batch_sampler=[[0, 1], [2, 3]])))
+    return messages
+
+
+def test_unsupported_uses_fail_in_one_line_naming_the_api():
+    (messages,) = run_distributed(_errors, world_size=1)
+    expected = {"custom_train_step": "MegatronLMPlugin.custom_train_step_class", "sgd": "SGD",
+                "train_without_optimizer": "no optimizer", "unknown_input": "token_type_ids",
+                "second_model": "second model", "clip": "clip_grad_norm_", "missing_params": "c_attn",
+                "loader_without_batch_size": "batch_size"}
+    for key, needle in expected.items():
+        assert messages[key] is not None, f"{key}: no error"
+        assert needle in messages[key] and "\n" not in messages[key], (key, messages[key])

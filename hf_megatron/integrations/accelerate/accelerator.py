@@ -4,10 +4,9 @@ Under a Megatron-LM config (`distributed_type: MEGATRON_LM`, or `megatron_lm_plu
 it behaves as accelerate documents its Megatron-LM integration:
 * `distributed_type` is `DistributedType.MEGATRON_LM`, `state.megatron_lm_plugin` the plugin
   (with `micro_batch_size`, `global_batch_size`, `num_micro_batches`, `return_logits`, ...);
-  `num_processes` is the world size.  On purpose unlike accelerate's Megatron-LM path,
-  `is_main_process` is global rank 0 (not the last rank): every rank here has the losses and
-  logits, and transformers 5's `save_pretrained(is_main_process=...)` writes only on rank 0,
-  so "main = last rank" would make it write nothing.
+  `num_processes` is the world size; `is_main_process` / `is_local_main_process` are the *last*
+  rank, as accelerate documents (where Megatron keeps losses; here every rank has them).
+  `wait_for_everyone` / `main_process_first` really wait (accelerate's skip MEGATRON_LM).
 * `prepare` takes the objects in any calls and any order and returns the engine (engine.py),
   optimizer and scheduler stand-ins whose step() / zero_grad() do nothing (the engine steps),
   and dp-sharded DataLoaders (loaders.py).
@@ -85,9 +84,10 @@ class Accelerator(accelerate.Accelerator):
         plugin.micro_batch_size = getattr(plugin, "micro_batch_size", None)
         plugin.global_batch_size = getattr(plugin, "global_batch_size", None)
         self.state.megatron_lm_plugin = plugin
-        # what accelerate sets under Megatron-LM, on AcceleratorState only: PartialState keeps
-        # MULTI_CPU / MULTI_GPU, so its barriers, main-process tests (rank 0) and logging work
+        # what accelerate itself sets under Megatron-LM: both states (every AcceleratorState()
+        # call copies PartialState's fields over its own)
         self.state.distributed_type = DistributedType.MEGATRON_LM
+        accelerate.state.PartialState._shared_state["distributed_type"] = DistributedType.MEGATRON_LM
         self._engine: MegatronEngine | None = None
         self._hf_refs = None
         self._pending: list = []  # optimizer / scheduler stand-ins waiting for the model
@@ -245,6 +245,41 @@ class Accelerator(accelerate.Accelerator):
                               f"{self.megatron_config.clip_grad}; set that instead")
         return None  # done inside the step, at the same norm
 
+    def _main_rank(self) -> int:
+        return self.num_processes - 1  # accelerate's Megatron-LM main process: the last rank
+
+    # ------------------------------------------------------------------ processes
+    def wait_for_everyone(self):
+        if not self.megatron:
+            return super().wait_for_everyone()
+        _barrier()  # accelerate's own wait_for_everyone skips MEGATRON_LM
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        if not self.megatron:
+            with super().main_process_first():
+                yield
+            return
+        with self._goes_first(self.is_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        if not self.megatron:
+            with super().local_main_process_first():
+                yield
+            return
+        with self._goes_first(self.is_local_main_process):
+            yield
+
+    @contextlib.contextmanager
+    def _goes_first(self, first: bool):
+        if not first:
+            _barrier()
+        yield
+        if first:
+            _barrier()
+
     # ------------------------------------------------------------------ metrics over the dp group
     def gather(self, tensor):
         if not self.megatron:
@@ -315,7 +350,7 @@ class Accelerator(accelerate.Accelerator):
         if not (self.megatron and isinstance(model, MegatronEngine)):
             return super().get_state_dict(model, unwrap)
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=0)
+        full = gather_full(chunks, dst=self._main_rank())
         return hf_state_dict(full, chunks[0].config) if full is not None else {}
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
@@ -327,7 +362,7 @@ class Accelerator(accelerate.Accelerator):
             raise ConfigError("accelerator.save_model(safe_serialization=False) is not supported under Megatron-LM; "
                               "it writes safetensors")
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=0)
+        full = gather_full(chunks, dst=self._main_rank())
         if full is not None:
             write_hf_folder(full, chunks[0].config, save_directory, max_shard_size)
         _barrier()

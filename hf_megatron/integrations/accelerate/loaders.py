@@ -2,7 +2,8 @@
 plus the position a checkpoint needs to continue exactly.
 
 Sharding: over the *data-parallel* ranks only (the TP and PP ranks of one model replica read
-the same batches), `even_batches` as accelerate does it.  Batch size: micro_batch_size x
+the same batches, in the same shuffle: under MEGATRON_LM accelerate synchronises the shuffle
+generator even at dp = 1), `even_batches` as accelerate does it.  Batch size: micro_batch_size x
 num_micro_batches samples per dp rank per step (see plugin.py for micro_batch_size).
 
 Position.  accelerate draws each epoch's shuffle from a generator synchronised over the ranks at
@@ -15,13 +16,10 @@ accelerate (`accelerator.skip_first_batches`, or the example scripts' own skip).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from accelerate.data_loader import DataLoaderShard, prepare_data_loader
-from accelerate.state import PartialState
-from accelerate.utils import DistributedType
 from accelerate.utils.dataclasses import DataLoaderConfiguration
 
 from ...parallel import state
@@ -63,21 +61,6 @@ class PositionedLoader(DataLoaderShard):
         self.iteration = int(saved["pass"])
 
 
-@contextlib.contextmanager
-def _megatron_partial_state():
-    """accelerate's prepare_data_loader shards (and synchronises the shuffle of) a loader even
-    over one process when PartialState says MEGATRON_LM; our PartialState says MULTI_CPU /
-    MULTI_GPU otherwise (accelerator.py says why), so it says MEGATRON_LM for this call.
-    Without it, at dp = 1 every TP / PP rank would shuffle on its own generator."""
-    shared = PartialState._shared_state
-    old = shared.get("distributed_type")
-    shared["distributed_type"] = DistributedType.MEGATRON_LM
-    try:
-        yield
-    finally:
-        shared["distributed_type"] = old
-
-
 def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device, rng_types,
                    config: DataLoaderConfiguration):
     """A DataLoader -> its dp-sharded accelerate loader, batch_size samples per dp rank."""
@@ -90,12 +73,11 @@ def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device,
     rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
                                           drop_last=loader.drop_last, **kwargs)
     grid = state.get_state()
-    with _megatron_partial_state():
-        prepared = prepare_data_loader(rebuilt, device, num_processes=grid.dp, process_index=grid.rank_in("dp"),
-                                       split_batches=False, put_on_device=True, rng_types=list(rng_types or []),
-                                       dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
-                                       use_seedable_sampler=config.use_seedable_sampler,
-                                       non_blocking=config.non_blocking)
+    prepared = prepare_data_loader(rebuilt, device, num_processes=grid.dp, process_index=grid.rank_in("dp"),
+                                   split_batches=False, put_on_device=True, rng_types=list(rng_types or []),
+                                   dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+                                   use_seedable_sampler=config.use_seedable_sampler,
+                                   non_blocking=config.non_blocking)
     if type(prepared) is DataLoaderShard:
         # same object, plus position() (module docstring).  DataLoaderShard's `__class__` is a
         # read-only property (it reports torch's DataLoader for isinstance checks, and still

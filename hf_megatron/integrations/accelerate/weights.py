@@ -12,6 +12,8 @@ on CPU.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import shutil
 import tempfile
@@ -80,19 +82,16 @@ def _is_weight_file(name: str) -> bool:
     return name.startswith(WEIGHT_FILE_PREFIXES)
 
 
-def write_hf_folder(full: dict[str, torch.Tensor], config, out_dir: str | os.PathLike,
-                    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
-    """Weights (safetensors) + config.json + generation_config.json into `out_dir`, which may hold
-    other files (a tokenizer, a Megatron checkpoint): they are kept.  Files are written to a
-    hidden folder and renamed in one at a time, config last; weight files of an earlier save
-    that this one does not write are removed -- a second save overwrites the first."""
+def _into_folder(out_dir: str | os.PathLike, fill) -> None:
+    """`fill(staging)` writes a transformers folder's files; they go into `out_dir`, which may hold
+    other files (a tokenizer, a Megatron checkpoint): those are kept.  Files are renamed in one at
+    a time, config.json last; weight files of an earlier save that this one does not write are
+    removed -- a second save overwrites the first."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=".hf-weights.partial-"))
     try:
-        dtype = dtype or next(iter(full.values())).dtype
-        write_hf_weights(staging, config, full.__getitem__, dtype, max_shard_size)
-        write_hf_config(staging, config, dtype, None)
+        fill(staging)
         new = sorted(p.name for p in staging.iterdir())
         for old in out_dir.iterdir():
             if old.is_file() and _is_weight_file(old.name) and old.name not in new:
@@ -101,6 +100,57 @@ def write_hf_folder(full: dict[str, torch.Tensor], config, out_dir: str | os.Pat
             os.replace(staging / name, out_dir / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_hf_folder(full: dict[str, torch.Tensor], config, out_dir: str | os.PathLike,
+                    max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> None:
+    """Full megatron-core tensors -> safetensors under transformers' names + config.json +
+    generation_config.json in `out_dir` (see `_into_folder`)."""
+    dtype = dtype or next(iter(full.values())).dtype
+
+    def fill(staging: Path) -> None:
+        write_hf_weights(staging, config, full.__getitem__, dtype, max_shard_size)
+        write_hf_config(staging, config, dtype, None)
+
+    _into_folder(out_dir, fill)
+
+
+def save_pretrained_here(model, save_directory, is_main_process: bool = True, state_dict=None,
+                         save_function=None, push_to_hub: bool = False, max_shard_size="5GB",
+                         safe_serialization: bool = True, **kwargs) -> None:
+    """`save_pretrained` of an unwrapped model: the process the caller names writes.
+
+    transformers 5's own save_pretrained writes only on torch.distributed rank 0, whatever
+    `is_main_process` says; under Megatron-LM accelerate's main process is the last rank, so
+    `save_pretrained(dir, is_main_process=accelerator.is_main_process)` would write nothing.
+    Here the process with is_main_process=True writes safetensors (`save_function` is not
+    needed), config.json and generation_config.json."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from ...errors import ConfigError
+    if push_to_hub or not safe_serialization:
+        raise ConfigError("unwrap_model(model).save_pretrained: push_to_hub / safe_serialization=False are not "
+                          "supported under Megatron-LM; save, then push the folder with hf-megatron push")
+    if not is_main_process:
+        return
+    tensors = dict(state_dict if state_dict is not None else model.state_dict())
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # tied: stored once, as transformers does
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+
+    def fill(staging: Path) -> None:
+        plan = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+        for file, names in plan.filename_to_tensors.items():
+            save_file({n: tensors[n] for n in names}, str(staging / file), metadata={"format": "pt"})
+        if plan.is_sharded:
+            index = {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        model.config.save_pretrained(staging)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(staging)
+
+    _into_folder(save_directory, fill)
 
 
 def transformers_model(full: dict[str, torch.Tensor], config, hf_config):
@@ -116,4 +166,6 @@ def transformers_model(full: dict[str, torch.Tensor], config, hf_config):
         raise RuntimeError(f"internal error: gathered weights do not fit {type(model).__name__}: "
                            f"missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.tie_weights()
+    # see save_pretrained_here: the process the caller names as main writes
+    model.save_pretrained = functools.partial(save_pretrained_here, model)
     return model
