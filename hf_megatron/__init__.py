@@ -9,9 +9,10 @@ __all__ = ["ModelConfig", "ConfigError", "GPTModel", "from_pretrained", "Acceler
 
 
 def __getattr__(name: str):
-    # `from hf_megatron import Accelerator`: imported on first use, so `import hf_megatron` stays
-    # free of accelerate
+    # `from hf_megatron import Accelerator`: imported on first use only, so `import hf_megatron`
+    # (and every lower layer that reads __version__ from the root) stays free of accelerate and
+    # of the integrations layer
     if name == "Accelerator":
-        from .integrations.accelerate import Accelerator
-        return Accelerator
+        import importlib
+        return importlib.import_module(".integrations.accelerate", __name__).Accelerator
     raise AttributeError(f"module 'hf_megatron' has no attribute {name!r}")
