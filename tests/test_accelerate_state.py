@@ -128,9 +128,16 @@ def _gather_dp(rank, world):
             "main": accelerator.is_main_process, "num_processes": accelerator.num_processes}
 
 
-def test_gather_for_metrics_over_data_parallel_ranks_drops_duplicates():
-    results = run_distributed(_gather_dp, world_size=2)
-    for rank, r in enumerate(results):
+def _gather_and_errors(rank, world):
+    return _gather_dp(rank, world), _errors(rank, world)
+
+
+def test_gather_for_metrics_over_dp_and_one_line_errors():
+    """dp2: gather_for_metrics drops even_batches' duplicates; then every unsupported use fails
+    in one line naming the API (one spawn for both: it is the expensive part)."""
+    results = run_distributed(_gather_and_errors, world_size=2)
+    for rank, (r, messages) in enumerate(results):
+        _check_errors(messages)
         assert torch.equal(r["gathered"], r["expected"])  # 5 samples, not 6 or 8
         assert r["batches"] == 2 and r["micro_batch_size"] == 1 and r["global_batch_size"] == 4
         assert r["distributed_type"] == "DistributedType.MEGATRON_LM" and r["num_processes"] == 2
@@ -170,11 +177,28 @@ def _errors(rank, world):
     expect("missing_params", lambda: accelerator.prepare(torch.optim.AdamW(half, lr=1e-3)))
     expect("loader_without_batch_size",
            lambda: accelerator.prepare(DataLoader(list(range(4)), batch_sampler=[[0, 1], [2, 3]])))
+
+    # any order, several calls: scheduler, then optimizer, then the model they belong to
+    from accelerate.utils import MegatronLMDummyScheduler
+    _reset_accelerate()
+    accelerator = Accelerator()
+    hf = tiny_hf_model("llama")
+    groups = [{"params": [p for n, p in hf.named_parameters() if "norm" not in n], "weight_decay": 0.1},
+              {"params": [p for n, p in hf.named_parameters() if "norm" in n], "weight_decay": 0.0, "lr": 5e-4}]
+    user_optimizer = torch.optim.AdamW(groups, lr=1e-3)
+    scheduler = accelerator.prepare(MegatronLMDummyScheduler(user_optimizer, total_num_steps=20, warmup_num_steps=4))
+    optimizer = accelerator.prepare(user_optimizer)
+    accelerator.prepare(hf)
+    messages["order"] = {"weight_decay": [g["weight_decay"] for g in optimizer.param_groups],
+                         "lr_mult": [g["lr_mult"] for g in optimizer.param_groups],
+                         "warmup_lr": scheduler.get_last_lr(), "bound": accelerator._engine.scheduler is not None}
     return messages
 
 
-def test_unsupported_uses_fail_in_one_line_naming_the_api():
-    (messages,) = run_distributed(_errors, world_size=1)
+def _check_errors(messages):
+    order = messages.pop("order")
+    assert order["bound"] and order["weight_decay"] == [0.1, 0.0] and order["lr_mult"] == [1.0, 0.5], order
+    assert order["warmup_lr"] == [0.0, 0.0], order  # Megatron's warmup starts at 0
     expected = {"custom_train_step": "MegatronLMPlugin.custom_train_step_class", "sgd": "SGD",
                 "train_without_optimizer": "no optimizer", "unknown_input": "token_type_ids",
                 "second_model": "second model", "clip": "clip_grad_norm_", "missing_params": "c_attn",
