@@ -33,7 +33,6 @@ class PositionedLoader(DataLoaderShard):
 
     _pass_index: int | None = None          # `iteration` (pass number) when the current pass began
     _pass_start: torch.Tensor | None = None  # shuffle generator state then
-    _after_draw: torch.Tensor | None = None  # ... and once the pass's shuffle was drawn
     _yielded = 0
 
     def __iter__(self):
@@ -42,17 +41,18 @@ class PositionedLoader(DataLoaderShard):
         self._pass_start = generator.get_state() if generator is not None else None
         for batch in super().__iter__():
             self._yielded += 1
-            if generator is not None and self._yielded == 1:
-                self._after_draw = generator.get_state()  # the sampler draws the whole order up front
             yield batch
 
     def position(self) -> dict[str, Any]:
         generator = self.synchronized_generator
+        current = generator.get_state() if generator is not None else None
         if self._pass_index is None:  # never iterated
-            return {"pass": self.iteration, "batches": 0,
-                    "generator_state": generator.get_state() if generator is not None else None}
-        if self._yielded >= len(self):  # the pass is done (even if the loop has not left it yet)
-            return {"pass": self._pass_index + 1, "batches": 0, "generator_state": self._after_draw}
+            return {"pass": self.iteration, "batches": 0, "generator_state": current}
+        if self._yielded >= len(self):
+            # the pass is done, even if the loop has not left it yet: accelerate fetches one batch
+            # ahead, so the sampler is exhausted and the generator holds every draw of this pass
+            # (torch's RandomSampler draws once more on exhaustion)
+            return {"pass": self._pass_index + 1, "batches": 0, "generator_state": current}
         return {"pass": self._pass_index, "batches": self._yielded, "generator_state": self._pass_start}
 
     def restore(self, saved: dict[str, Any]) -> None:
