@@ -119,11 +119,11 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
-                 bucket_size: int | None = None) -> None:
+                 bucket_size: int | None = None, groups: list[dict] | None = None) -> None:
         self.chunks = list(chunks)
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
-        groups = param_groups(self.chunks, weight_decay)
+        groups = param_groups(self.chunks, weight_decay) if groups is None else groups  # caller's groups kept
         self.model_params = [p for g in groups for p in g["params"]]
         self.dp_group = state.get_state().group("dp")
         self.grad_buffer = GradBuffer(self.chunks, self.model_params, self.dp_group, bucket_size,

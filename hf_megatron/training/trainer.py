@@ -60,7 +60,9 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
         dtype=cfg.params_dtype, **gpt_kwargs)
 
 
-def build_optimizer(chunks, cfg: TrainingConfig) -> MixedPrecisionOptimizer:
+def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = None) -> MixedPrecisionOptimizer:
+    """`groups`: the caller's parameter groups (params of `chunks` + per-group options such as
+    weight_decay); default: Megatron's two groups (see optimizer.param_groups)."""
     if cfg.fp16:
         dynamic = cfg.loss_scale is None
         scaler = LossScaler(cfg.initial_loss_scale if dynamic else cfg.loss_scale, dynamic=dynamic,
@@ -69,7 +71,7 @@ def build_optimizer(chunks, cfg: TrainingConfig) -> MixedPrecisionOptimizer:
         scaler = LossScaler()
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
-                  bucket_size=cfg.ddp_bucket_size)
+                  bucket_size=cfg.ddp_bucket_size, groups=groups)
     if cfg.use_distributed_optimizer:
         return DistributedOptimizer(chunks, overlap_param_gather=cfg.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(chunks, **kwargs)
@@ -109,22 +111,33 @@ def sync_sequence_parallel_grads(params) -> None:
 
 
 def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler | None,
-               micro_batches: list[dict]) -> dict[str, Any]:
+               micro_batches: list[dict], *, accumulate: bool = False, fresh: bool = True,
+               loss_weight: float = 1.0) -> dict[str, Any]:
     """One optimizer step over this rank's micro batches (see the module docstring).
+
+    Gradient accumulation over several calls (accelerate's `gradient_accumulation_steps` k):
+    every call back-propagates `loss_weight` (1/k) x its own L; the first passes fresh=True (zero
+    the grads), all but the last accumulate=True (stop after backward: no grad reduction, no
+    update); the last reduces the summed grads and steps once.
 
     Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
     `loss_scale` are the values this step used."""
     grid = state.get_state()
     for chunk in chunks:
         chunk.train()
-    optimizer.zero_grad(num_micro_batches=len(micro_batches))  # overlap: buckets reduce in the last one
+    if fresh:
+        # overlap: buckets reduce in the last micro batch -- not when more calls accumulate into this step
+        optimizer.zero_grad(num_micro_batches=None if accumulate else len(micro_batches))
     device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
                          grid.group("dp"))
     global_tokens = max(tokens.item(), 1.0)
     loss_scale, lr = optimizer.loss_scale, optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
-    out = pipeline.forward_backward(chunks, micro_batches, loss_scale=loss_scale / global_tokens)
+    out = pipeline.forward_backward(chunks, micro_batches, loss_scale=loss_scale * loss_weight / global_tokens)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
+    if accumulate:
+        return {"loss": loss_sum.item() / global_tokens, "grad_norm": None, "lr": lr, "skipped": False,
+                "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
 
     optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
     sync_sequence_parallel_grads(optimizer.model_params)

@@ -1,0 +1,24 @@
+"""`accelerate launch --config_file megatron.yaml train.py` without NVIDIA's `megatron` package.
+
+In train.py, import the Accelerator from hf_megatron instead of from accelerate; the rest of an
+accelerate Megatron-LM script stays as it is (accelerate's own
+examples/by_feature/megatron_lm_gpt_pretraining.py runs unchanged):
+
+    from hf_megatron import Accelerator          # or hf_megatron.integrations.accelerate
+    accelerator = Accelerator()
+    model, optimizer, loader, scheduler = accelerator.prepare(hf_model, optimizer, loader, scheduler)
+    for batch in loader:
+        loss = model(**batch).loss        # one whole Megatron step: micro batches, pipeline, optimizer
+        accelerator.backward(loss)        # no-op (done inside the step), as in accelerate's Megatron-LM path
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()   # no-ops likewise
+    accelerator.save_state("ckpt")        # Megatron-LM checkpoint + transformers weights
+
+Modules: accelerator.py (the class), engine.py (the prepared model), plugin.py (MegatronLMPlugin
+and MegatronLMDummyScheduler -> our config), loaders.py, batches.py, logits.py, param_groups.py,
+weights.py (full HF-named weights), state_io.py (save_state / load_state), wrappers.py.
+"""
+from .accelerator import Accelerator
+from .engine import MegatronEngine
+from .plugin import megatron_requested, training_config_from_plugin
+
+__all__ = ["Accelerator", "MegatronEngine", "megatron_requested", "training_config_from_plugin"]

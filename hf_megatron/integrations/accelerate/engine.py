@@ -1,0 +1,148 @@
+"""`MegatronEngine`: the prepared model.  `model(**batch)` runs a whole train step (train mode) or an
+evaluation (eval mode), accelerate's own Megatron-LM convention.
+
+Train mode: the batch (dp rank's share of one global batch) is cut into micro batches of
+`micro_batch_size` (batches.py) and goes through forward, backward (pipeline schedule), the
+gradient reductions, clipping and the optimizer step (`trainer.train_step`); the LR schedule
+advances after a real update.  With `Accelerator(gradient_accumulation_steps=k)` and
+`with accelerator.accumulate(model):` a call whose `accelerator.sync_gradients` is False only
+accumulates gradients of loss / k; the call that syncs reduces them and steps once: k batches,
+one update, the gradient of the mean of their losses (accelerate's meaning of accumulation).
+
+Eval mode: forward only.  `loss` is the mean per-token loss of the batch over the data-parallel
+group (every rank gets it, in every pipeline stage); with `return_logits` the output also has
+`logits` [b, s, vocab] of this rank's batch (logits.py).  Outputs are transformers'
+`CausalLMOutputWithCrossAttentions`, as accelerate's engine returns for GPT models; in train mode
+`logits` is None (they are not kept through the pipeline schedule).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import ConfigError
+from ...parallel import state
+from ...training import trainer
+from .batches import micro_batches
+from .logits import forward_with_logits
+
+
+def follow_user_lr(optimizer, user_scheduler) -> None:
+    """Our groups take the lr a torch schedule gave the user's groups they came from.  (A schedule
+    built on the prepared optimizer already set ours: its param_groups are ours.)"""
+    source = user_scheduler.optimizer.param_groups
+    if source is optimizer.param_groups:
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = source[group.get("user_group", 0)]["lr"]
+
+
+def _output(loss: torch.Tensor, logits: torch.Tensor | None = None):
+    from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+    return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+
+
+class MegatronEngine(nn.Module):
+    """This rank's model chunks + optimizer + schedule, behind a transformers-like forward."""
+
+    def __init__(self, chunks: list[nn.Module], cfg: trainer.TrainingConfig, hf_config, accelerator):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.cfg, self.hf_config = cfg, hf_config
+        self._accelerator = [accelerator]  # a list: not a submodule, not in state_dict
+        self.optimizer = None          # our MixedPrecisionOptimizer, set by prepare
+        self.scheduler = None          # our LRScheduler (from MegatronLMDummyScheduler), or None
+        self.user_scheduler = None     # a torch scheduler whose lr we follow, or None
+        self.iteration = 0             # optimizer updates taken
+        self.consumed_train_samples = 0
+        self.skipped_iter = False
+        self._accumulated = 0          # batches back-propagated since the last update
+
+    @property
+    def config(self):
+        return self.hf_config
+
+    @property
+    def accelerator(self):
+        return self._accelerator[0]
+
+    # ------------------------------------------------------------------ batching
+    @property
+    def num_micro_batches(self) -> int:
+        return int(self.accelerator.state.megatron_lm_plugin.num_micro_batches or 1)
+
+    def _micro_batch_size(self, batch_size: int) -> int:
+        size = getattr(self.accelerator.state.megatron_lm_plugin, "micro_batch_size", None)
+        return int(size) if size else max(math.ceil(batch_size / self.num_micro_batches), 1)
+
+    def _split(self, batch: dict, whole: bool = False) -> list[dict]:
+        """Micro batches on the model's device (`whole`: the batch as one micro batch)."""
+        device = next(self.chunks[0].parameters()).device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        size = batch["input_ids"].shape[0]
+        if whole:
+            return micro_batches(batch, size)
+        interleaved = len(self.chunks) > 1  # the interleaved schedule wants a multiple of pp micro batches
+        return micro_batches(batch, self._micro_batch_size(size), state.get_state().pp if interleaved else 1)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, **batch):
+        if "input_ids" not in batch or batch["input_ids"] is None:
+            raise ConfigError("model(**batch) (Megatron-LM engine): expected an 'input_ids' tensor")
+        if self.training:
+            return self._train(batch)
+        return self._evaluate(batch)
+
+    def _train(self, batch: dict):
+        if self.optimizer is None:
+            raise ConfigError("model(**batch) in train mode: no optimizer was prepared; call "
+                              "accelerator.prepare(optimizer) (any order, any call) before training")
+        micro = self._split(batch)
+        acc = self.accelerator
+        steps = max(int(acc.gradient_accumulation_steps), 1)
+        sync = steps == 1 or acc.sync_gradients
+        stats = trainer.train_step(list(self.chunks), self.optimizer, self.scheduler, micro,
+                                   accumulate=not sync, fresh=self._accumulated == 0, loss_weight=1.0 / steps)
+        self._accumulated = 0 if sync else self._accumulated + 1
+        self.consumed_train_samples += batch["input_ids"].shape[0] * state.get_state().dp
+        if sync:
+            self.iteration += 1
+            self.skipped_iter = stats["skipped"]
+            if not stats["skipped"] and self.user_scheduler is not None:
+                self._follow_user_scheduler()
+        return _output(torch.tensor(stats["loss"], device=micro[0]["targets"].device))
+
+    def _follow_user_scheduler(self) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the user's optimizer is never stepped: by design
+            self.user_scheduler.step()
+        follow_user_lr(self.optimizer, self.user_scheduler)
+
+    @torch.no_grad()
+    def _evaluate(self, batch: dict):
+        plugin = self.accelerator.state.megatron_lm_plugin
+        if getattr(plugin, "return_logits", False):
+            (whole,) = self._split(batch, whole=True)
+            for chunk in self.chunks:
+                chunk.eval()
+            loss_sum, tokens, logits = forward_with_logits(list(self.chunks), whole)
+            totals = torch.stack([loss_sum, tokens]).double()
+            group = state.get_state().group("dp")
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(totals, group=group)
+            loss = (totals[0] / totals[1].clamp(min=1)).float()
+            return _output(loss, logits)
+        micro = self._split(batch)
+        loss = trainer.evaluate(list(self.chunks), micro)
+        return _output(torch.tensor(loss, device=micro[0]["targets"].device))
+
+    def save_checkpoint(self, output_dir) -> None:
+        """accelerate's engine API: `accelerator.save_state(output_dir)` is the way to call it."""
+        self.accelerator.save_state(output_dir)
+
+    def load_checkpoint(self, input_dir) -> None:
+        self.accelerator.load_state(input_dir)

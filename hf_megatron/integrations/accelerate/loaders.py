@@ -1,0 +1,86 @@
+"""DataLoaders for the Megatron-LM engine, as accelerate's Megatron-LM integration prepares them,
+plus the position a checkpoint needs to continue exactly.
+
+Sharding: over the *data-parallel* ranks only (the TP and PP ranks of one model replica read
+the same batches, in the same shuffle: under MEGATRON_LM accelerate synchronises the shuffle
+generator even at dp = 1), `even_batches` as accelerate does it.  Batch size: micro_batch_size x
+num_micro_batches samples per dp rank per step (see plugin.py for micro_batch_size).
+
+Position.  accelerate draws each epoch's shuffle from a generator synchronised over the ranks at
+the start of every pass.  `PositionedLoader` records that generator's state when a pass starts
+and counts the batches it yields; `position()` is what `save_state` stores and `restore()`
+what `load_state` puts back: the generator as it was at the start of the interrupted pass (or
+after a finished one) and the pass number.  The next pass then yields the same batches in the
+same order; skipping the ones already trained on stays the script's business, as in
+accelerate (`accelerator.skip_first_batches`, or the example scripts' own skip).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate.data_loader import DataLoaderShard, prepare_data_loader
+from accelerate.utils.dataclasses import DataLoaderConfiguration
+
+from ...parallel import state
+
+_LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "prefetch_factor",
+                  "persistent_workers", "generator", "multiprocessing_context")
+
+
+class PositionedLoader(DataLoaderShard):
+    """accelerate's DataLoaderShard that remembers where its current pass is."""
+
+    _pass_index: int | None = None          # `iteration` (pass number) when the current pass began
+    _pass_start: torch.Tensor | None = None  # shuffle generator state then
+    _yielded = 0
+
+    def __iter__(self):
+        generator = self.synchronized_generator
+        self._pass_index, self._yielded = self.iteration, 0
+        self._pass_start = generator.get_state() if generator is not None else None
+        for batch in super().__iter__():
+            self._yielded += 1
+            yield batch
+
+    def position(self) -> dict[str, Any]:
+        generator = self.synchronized_generator
+        current = generator.get_state() if generator is not None else None
+        if self._pass_index is None:  # never iterated
+            return {"pass": self.iteration, "batches": 0, "generator_state": current}
+        if self._yielded >= len(self):
+            # the pass is done, even if the loop has not left it yet: accelerate fetches one batch
+            # ahead, so the sampler is exhausted and the generator holds every draw of this pass
+            # (torch's RandomSampler draws once more on exhaustion)
+            return {"pass": self._pass_index + 1, "batches": 0, "generator_state": current}
+        return {"pass": self._pass_index, "batches": self._yielded, "generator_state": self._pass_start}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        if saved.get("generator_state") is not None and self.synchronized_generator is not None:
+            self.synchronized_generator.set_state(saved["generator_state"])
+        self.iteration = int(saved["pass"])
+
+
+def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device, rng_types,
+                   config: DataLoaderConfiguration):
+    """A DataLoader -> its dp-sharded accelerate loader, batch_size samples per dp rank."""
+    if loader.batch_size is None:
+        raise ValueError("accelerator.prepare (Megatron-LM): a DataLoader with a custom batch_sampler is not "
+                         "supported; give it batch_size=micro batch size")
+    kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS if hasattr(loader, k)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None), kwargs.pop("persistent_workers", None)
+    rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
+                                          drop_last=loader.drop_last, **kwargs)
+    grid = state.get_state()
+    prepared = prepare_data_loader(rebuilt, device, num_processes=grid.dp, process_index=grid.rank_in("dp"),
+                                   split_batches=False, put_on_device=True, rng_types=list(rng_types or []),
+                                   dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+                                   use_seedable_sampler=config.use_seedable_sampler,
+                                   non_blocking=config.non_blocking)
+    if type(prepared) is DataLoaderShard:
+        # same object, plus position() (module docstring).  DataLoaderShard's `__class__` is a
+        # read-only property (it reports torch's DataLoader for isinstance checks, and still
+        # does), so the type is set through object's own slot
+        object.__dict__["__class__"].__set__(prepared, PositionedLoader)
+    return prepared
