@@ -232,6 +232,33 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def measure_here(name, spec, variant, args, flops, peak) -> dict:
+    free_memory(args.device)
+    try:
+        return run_variant(name, spec, variant, args, flops, peak)
+    except Exception as error:  # out of memory, compile failure: a row, not a crash
+        return {"model": name, "variant": variant,
+                "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"}
+    finally:
+        free_memory(args.device)
+
+
+def measure_in_child(name, variant, args, peak) -> dict:
+    """One (model, variant) in a fresh process: nothing an earlier variant left behind (compiled
+    graphs, a patched module, allocator state) reaches its speed or its peak memory."""
+    import subprocess
+    command = [sys.executable, __file__, "--models", name, "--variants", variant, "--no-isolate", "--child",
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--lr", str(args.lr)]
+    command += (["--tiny"] if args.tiny else []) + (["--compile-mode", args.compile_mode] if args.compile_mode else [])
+    command += ["--peak", str(peak)] if peak else []
+    done = subprocess.run(command, capture_output=True, text=True)
+    rows = [line[len("ROW "):] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    if rows:
+        return json.loads(rows[-1])
+    tail = (done.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    return {"model": name, "variant": variant, "error": f"child exited {done.returncode}: {tail}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
@@ -245,7 +272,16 @@ def main() -> None:
                         help="AdamW lr for both sides (at 1e-5 most bf16 weights stay put for ~10 steps: an update "
                              "below half a bf16 ulp rounds away, so the loss columns lag the fp32-weight anchor)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--no-isolate", dest="isolate", action="store_false",
+                        help="run every variant in this process (default: each in a fresh child process)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # one row for the parent (measure_in_child)
+        spec = (TINY if args.tiny else MODELS)[args.models[0]]
+        row = measure_here(args.models[0], spec, args.variants[0], args, flops_per_token(spec), args.peak)
+        print("ROW " + json.dumps(row), flush=True)
+        return
     args.steps = args.steps or (1 if args.tiny else 10)
     args.warmup = max(1, args.warmup or (1 if args.tiny else 3))
     specs = TINY if args.tiny else MODELS
@@ -258,15 +294,10 @@ def main() -> None:
         spec = specs[name]
         flops = flops_per_token(spec)
         for variant in args.variants:
-            free_memory(args.device)
-            try:
-                row = run_variant(name, spec, variant, args, flops, peak)
-            except Exception as error:  # out of memory, compile failure: a row, not a crash
-                row = {"model": name, "variant": variant,
-                       "error": f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"}
+            row = measure_in_child(name, variant, args, peak) if args.isolate else measure_here(name, spec, variant,
+                                                                                                 args, flops, peak)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        free_memory(args.device)
     add_ratios(rows)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": device_name, "bf16_peak_flops": peak, "rows": rows}, indent=1))
