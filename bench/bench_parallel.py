@@ -141,18 +141,7 @@ def run_hf_ddp(args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(dist.get_rank() if world > 1 else 0)
     ids = torch.randint(0, model.config.vocab_size, (num_micro, args.mbs, args.seq), device="cuda", generator=gen)
 
-    def step():
-        for i in range(num_micro):
-            last = i == num_micro - 1 or world == 1  # DDP all-reduces only after the last micro batch
-            with contextlib.nullcontext() if last else ddp.no_sync():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
-                    loss = ddp(input_ids=ids[i], labels=ids[i]).loss / num_micro
-                loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
+    step = hf_train_step(ddp, model, optimizer, ids, autocast=True, no_sync=ddp.no_sync if world > 1 else None)
     elapsed, loss = timed(step, args)
     return summarize(args, model_config(args.model, args.seq), elapsed, world, loss=loss.item() * num_micro,
                      layout=f"transformers DDP {world} GPU" + (" compile" if args.compile else ""))
@@ -174,18 +163,29 @@ def run_hf_anchor(args) -> dict:
     num_micro = args.gbs // args.mbs
     ids = torch.randint(0, config.vocab_size, (num_micro, args.mbs, args.seq), device="cuda")
 
+    elapsed, loss = timed(hf_train_step(model, model, optimizer, ids), args)
+    return summarize(args, model_config(args.model, args.seq), elapsed, 1, loss=loss.item() * num_micro,
+                     layout="transformers 1 GPU (bf16 weights + AdamW)")
+
+
+def hf_train_step(call, model, optimizer, ids, autocast: bool = False, no_sync=None):
+    """A transformers step over the micro batches ids[i]: mean loss, clip 1.0, AdamW.  `no_sync`
+    (DDP) wraps every micro batch but the last, so the all-reduce runs once per step."""
+    num_micro = ids.shape[0]
+
     def step():
         for i in range(num_micro):
-            loss = model(input_ids=ids[i], labels=ids[i]).loss / num_micro
-            loss.backward()
+            last = i == num_micro - 1 or no_sync is None
+            with contextlib.nullcontext() if last else no_sync():
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = call(input_ids=ids[i], labels=ids[i]).loss / num_micro
+                loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    elapsed, loss = timed(step, args)
-    return summarize(args, model_config(args.model, args.seq), elapsed, 1, loss=loss.item() * num_micro,
-                     layout="transformers 1 GPU (bf16 weights + AdamW)")
+    return step
 
 
 def timed(step, args):

@@ -18,30 +18,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_linear_schedule_with_warmup
 
-from dist import free_port
+from accelerate_config import write_megatron_config
 from test_accelerate_script import BLOCK, _text_of_blocks
 from tiny import rel_err, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO, NUM_MICRO, LR, WD, WARMUP, EPOCHS = 2, 2, 1e-3, 0.1, 1, 2
 
-YAML = """compute_environment: LOCAL_MACHINE
-distributed_type: MEGATRON_LM
-mixed_precision: 'no'
-num_machines: 1
-num_processes: {world}
-machine_rank: 0
-rdzv_backend: static
-same_network: true
-use_cpu: false
-main_process_port: {port}
-megatron_lm_config:
-  megatron_lm_tp_degree: {tp}
-  megatron_lm_pp_degree: {pp}
-  megatron_lm_num_micro_batches: {num_micro}
-  megatron_lm_sequence_parallelism: {sp}
-  megatron_lm_gradient_clipping: 1.0
-"""
 
 
 def _workspace(folder: Path, train_blocks: int, eval_blocks: int) -> dict:
@@ -94,8 +77,7 @@ def _reference(ws: dict, global_batch: int, accumulation: int):
 
 def _launch(folder: Path, ws: dict, tp: int, pp: int, world: int, accumulation: int) -> dict:
     config = folder / "megatron.yaml"
-    config.write_text(YAML.format(world=world, port=free_port(), tp=tp, pp=pp, num_micro=NUM_MICRO,
-                                  sp=str(tp > 1).lower()))
+    write_megatron_config(config, world, tp, pp, NUM_MICRO, tp > 1)
     accelerate = Path(sys.executable).with_name("accelerate")
     out = folder / "out"
     cmd = [str(accelerate), "launch", "--config_file", str(config), str(ROOT / "examples/accelerate/clm_example.py"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist import free_port
+from accelerate_config import write_megatron_config
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET = Path(__file__).parent / "assets" / "accelerate" / "megatron_lm_gpt_pretraining.py"
@@ -36,24 +36,6 @@ EDITS = [  # (original line, replacement): the only changes to accelerate's scri
 ]
 LAYOUTS = {"tp2": (2, 1, 2), "pp2": (1, 2, 2), "dp2": (1, 1, 2), "tp2pp2": (2, 2, 4)}
 
-YAML = """compute_environment: LOCAL_MACHINE
-distributed_type: MEGATRON_LM
-mixed_precision: 'no'
-num_machines: 1
-num_processes: {world}
-machine_rank: 0
-main_training_function: main
-rdzv_backend: static
-same_network: true
-use_cpu: false
-main_process_port: {port}
-megatron_lm_config:
-  megatron_lm_tp_degree: {tp}
-  megatron_lm_pp_degree: {pp}
-  megatron_lm_num_micro_batches: {num_micro}
-  megatron_lm_sequence_parallelism: {sp}
-  megatron_lm_gradient_clipping: 1.0
-"""
 
 WORDS = ("the quick brown fox jumps over a lazy dog while megatron meets hugging face and tensor "
          "pipeline data parallel ranks train tiny models on small text files").split()
@@ -98,8 +80,7 @@ def make_workspace(folder: Path, train_blocks: int = 16, eval_blocks: int = 8) -
 def launch(folder: Path, ws: dict, layout: str, out: str, *extra: str, sp: bool = True, timeout: int = 600):
     tp, pp, world = LAYOUTS[layout]
     config = folder / f"{layout}.yaml"
-    config.write_text(YAML.format(world=world, port=free_port(), tp=tp, pp=pp, num_micro=NUM_MICRO,
-                                  sp=str(sp and tp > 1).lower()))
+    write_megatron_config(config, world, tp, pp, NUM_MICRO, sp and tp > 1)
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--config_file", str(config), str(edited_script(folder)),
            "--model_name_or_path", str(ws["model"]), "--train_file", str(ws["train"]),
