@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..checkpoint.files import write_text_atomic
 from ..errors import ConfigError, DataError, HFMegatronError
 from ..parallel import state
-from . import trainer
+from . import tokenizer_files, trainer
 from .config import RunConfig  # noqa: F401  (re-exported: code imports it from here)
 
 
@@ -137,6 +137,8 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         return {"iterations": saved, "already_done": True, "final_loss": None, "first_loss": None}
     chunks, optimizer, scheduler, restored = build_training_state(run, cfg, start, source, device, gbs)
     monitor.model_built(chunks, optimizer)
+    tokenizer = tokenizer_files.tokenizer_source(run)  # travels into <save>/tokenizer with the checkpoints
+    tokenizer_files.check_vocab(tokenizer, chunks[0].config.vocab_size)
     iteration, consumed = restored.iteration, restored.consumed_samples
     monitor.note(f" {restored.source}")
     eval_samples = 0
@@ -162,7 +164,10 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         # (and the run's data fields: `hf-megatron evaluate` rebuilds this run's validation data from them)
         args = {"seq_length": run.seq_length, "consumed_train_samples": consumed, "global_batch_size": gbs,
                 "micro_batch_size": cfg.micro_batch_size, "split": run.split, "seed": cfg.seed,
-                "train_iters": cfg.train_iters, "eval_interval": run.eval_interval, "eval_iters": run.eval_iters}
+                "train_iters": cfg.train_iters, "eval_interval": run.eval_interval, "eval_iters": run.eval_iters,
+                "tokenizer": tokenizer_files.tokenizer_entry(tokenizer, run.save)}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            tokenizer_files.copy_into_save(tokenizer, run.save)
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "loss": loss,
                                "train_tokens": consumed * run.seq_length})

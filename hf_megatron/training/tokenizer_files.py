@@ -1,0 +1,87 @@
+"""The run's tokenizer travels with its checkpoints: `<save>/tokenizer/`, named in `args`.
+
+Where it comes from, first match: `--tokenizer-model` (an HF tokenizer folder), the `--hf-model` /
+`--hf-config` folder, the `tokenizer/` folder of `--pretrained-checkpoint` or `--load` (a Megatron
+folder we or a converter wrote).  `hf-megatron convert megatron-to-hf` and `reshard` take
+`<megatron>/tokenizer` by default, so a trained model converts back with its tokenizer.
+
+Before training, the tokenizer's vocabulary is checked against the model's: a tokenizer that can
+produce ids the embedding does not have is one clear error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from ..checkpoint.args import TOKENIZER_FILES, tokenizer_args
+from ..conversion.hf_writer import copy_tokenizer
+from ..errors import ConfigError
+
+SUBDIR = "tokenizer"
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def tokenizer_source(run) -> Path | None:
+    """The folder of HF tokenizer files this run uses, or None."""
+    candidates = [run.tokenizer_model]
+    for path in (run.hf_model, run.hf_config):
+        if path:
+            candidates.append(path if os.path.isdir(path) else os.path.dirname(path))
+    for megatron in (getattr(run, "pretrained_checkpoint", None), run.load):
+        if megatron:
+            candidates.append(os.path.join(megatron, SUBDIR))
+            candidates.append(megatron)  # an HF folder given as --pretrained-checkpoint
+    for candidate in candidates:
+        if candidate and _has_tokenizer(Path(candidate)):
+            return Path(candidate)
+    return None
+
+
+def vocab_size_of(folder: Path) -> int | None:
+    """Ids the tokenizer can produce (vocabulary + added tokens), read from its files; None if unknown."""
+    try:
+        if (folder / "tokenizer.json").is_file():
+            data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+            vocab = (data.get("model") or {}).get("vocab")
+            ids = set(vocab.values()) if isinstance(vocab, dict) else set(range(len(vocab or [])))
+            ids |= {t["id"] for t in data.get("added_tokens") or [] if isinstance(t, dict) and "id" in t}
+            return max(ids) + 1 if ids else None
+        if (folder / "vocab.json").is_file():
+            vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+            return max(vocab.values()) + 1 if vocab else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return None
+
+
+def check_vocab(folder: Path | None, model_vocab_size: int) -> None:
+    if folder is None:
+        return
+    size = vocab_size_of(folder)
+    if size is not None and size > model_vocab_size:
+        raise ConfigError(f"{folder}: the tokenizer produces ids up to {size - 1}, but the model's vocabulary has "
+                          f"{model_vocab_size} rows; use the model's own tokenizer (--tokenizer-model)")
+
+
+def tokenizer_entry(folder: Path | None, save: str | os.PathLike) -> dict:
+    """Megatron-LM's tokenizer args naming the copy in `<save>/tokenizer`."""
+    return tokenizer_args(folder, Path(save).absolute() / SUBDIR) if folder is not None else tokenizer_args(None)
+
+
+def copy_into_save(folder: Path | None, save: str | os.PathLike) -> None:
+    """Copy the tokenizer files into `<save>/tokenizer` once (a temp folder renamed into place)."""
+    if folder is None:
+        return
+    target = Path(save) / SUBDIR
+    if target.exists() or target.resolve() == folder.resolve():
+        return
+    temp = Path(save) / f".{SUBDIR}.tmp-{os.getpid()}"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    copy_tokenizer(folder, temp)
+    os.replace(temp, target)
