@@ -41,3 +41,18 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(workspace, tmp_path):
     args = base_args(workspace, 1, config=False)
     code, out, err = cli_inprocess("--hf-config", folder, *args)
     assert code == 2 and "the tokenizer produces ids up to 279" in last_line(err) and "200 rows" in last_line(err)
+
+
+def test_hf_to_megatron_carries_a_given_tokenizer_and_leaves_no_empty_folder(workspace, tmp_path):
+    from tiny import tiny_hf_model
+    hf = tmp_path / "hf"
+    tiny_hf_model("llama").save_pretrained(hf)  # weights, no tokenizer files
+    assert cli.main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "bare")]) == 0
+    assert not (tmp_path / "bare" / "tokenizer").exists()
+    assert cli.main(["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / "with"),
+                     "--tokenizer", str(workspace / "config")]) == 0
+    assert (tmp_path / "with" / "tokenizer" / "tokenizer.json").is_file()
+    assert cli.main(["reshard", "--src", str(tmp_path / "with"), "--out", str(tmp_path / "tp2"), "--tp", "2"]) == 0
+    text = "a lazy dog"
+    assert AutoTokenizer.from_pretrained(tmp_path / "tp2" / "tokenizer")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(workspace / "config")(text)["input_ids"]

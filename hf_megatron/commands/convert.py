@@ -31,6 +31,8 @@ def add_parser(subparsers) -> None:
     to_megatron.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     to_megatron.add_argument("--dtype", default=None, help="store weights as fp32 | bf16 | fp16 (default: as is)")
     to_megatron.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    to_megatron.add_argument("--tokenizer", default=None,
+                             help="tokenizer folder to carry into <out>/tokenizer (default: the --hf folder's own)")
     add_checksum_flag(to_megatron)
     add_output_format_flags(to_megatron)
     to_megatron.set_defaults(func=run_to_megatron)
@@ -80,7 +82,7 @@ def run_to_megatron(args) -> int:
     from hf_megatron.conversion.convert import hf_to_megatron
     apply_checksum_flag(args)
     _print_report(hf_to_megatron(args.hf, args.out, args.tp, args.pp, args.vpp, args.dtype, args.verify,
-                                 args.ckpt_format, args.legacy_names))
+                                 args.ckpt_format, args.legacy_names, args.tokenizer))
     return 0
 
 

@@ -64,22 +64,35 @@ def _write_output(iter_dir: Path, config, source, tp: int, pp: int, vpp: int | N
         write_megatron(iter_dir, config, source, tp, pp, vpp, iteration, args, extra, legacy_names=legacy_names)
 
 
+def _carry_tokenizer(source: Path, tokenizer_dir: Path) -> list[str]:
+    """Copy the tokenizer files into `tokenizer_dir`; no folder at all when there are none."""
+    tokenizer_dir.mkdir()
+    copied = copy_tokenizer(source, tokenizer_dir)
+    if not copied:
+        tokenizer_dir.rmdir()
+    return copied
+
+
 def _finish_megatron(staging: StagingDir, iteration) -> None:
     write_text_atomic(staging.path / TRACKER, str(iteration))
 
 
 def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
                    dtype: str | None = None, verify: bool = False, ckpt_format: str = "torch",
-                   legacy_names: bool = False) -> dict[str, Any]:
+                   legacy_names: bool = False, tokenizer: str | os.PathLike | None = None) -> dict[str, Any]:
+    """`tokenizer`: a folder of tokenizer files to carry (default: the HF folder's own)."""
     check_output_format(ckpt_format, legacy_names, vpp)
     source_ckpt = HFCheckpoint(hf)
+    tokenizer_src = Path(tokenizer) if tokenizer else source_ckpt.path
+    if tokenizer and not tokenizer_src.is_dir():
+        raise CheckpointError(f"{tokenizer_src}: tokenizer folder not found (--tokenizer)")
     config = source_ckpt.model_config()
     source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
     generation = source_ckpt.path / "generation_config.json"
     args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}
     # Megatron-LM's tokenizer args name the copy in <out>/tokenizer
-    args["tokenizer"] = tokenizer_args(source_ckpt.path, Path(out).absolute() / TOKENIZER_SUBDIR)
+    args["tokenizer"] = tokenizer_args(tokenizer_src, Path(out).absolute() / TOKENIZER_SUBDIR)
 
     def source(layers):
         return ((n, _cast(t, target)) for n, t in hf_to_mcore(source_ckpt.get, config, layers))
@@ -88,9 +101,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, p
     with StagingDir(out) as staging:
         _write_output(staging.path / iter_dir_name("release"), config, source, tp, pp, vpp, "release", args, None,
                       ckpt_format, legacy_names)
-        tokenizer_dir = staging.path / TOKENIZER_SUBDIR
-        tokenizer_dir.mkdir()
-        report["tokenizer_files"] = copy_tokenizer(source_ckpt.path, tokenizer_dir)
+        report["tokenizer_files"] = _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
         _finish_megatron(staging, "release")
         if verify:
             ids = fixed_prompt(config.vocab_size, config.max_position_embeddings)
@@ -182,9 +193,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
     with StagingDir(out) as staging:
         _write_output(staging.path / iter_dir_name(ckpt.iteration), ckpt.config, source, tp, pp, vpp,
                       ckpt.iteration, keep, extra, ckpt_format, legacy_names)
-        tokenizer_dir = staging.path / TOKENIZER_SUBDIR
-        tokenizer_dir.mkdir()
-        copy_tokenizer(tokenizer_src, tokenizer_dir)
+        _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
         _finish_megatron(staging, ckpt.iteration)
         if verify:
             ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)
