@@ -75,6 +75,11 @@ def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache
     return out
 
 
+def _used_bookends(split: str, skip_splits: Sequence[str]) -> list:
+    """split_bookends(split) with the splits named in `skip_splits` set to None (not built)."""
+    return [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(split))]
+
+
 def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
                        num_samples: Sequence[int | None] = (None, None, None), cache_dir: str | None = "auto",
                        add_extra_token: bool = True, mid_level_surplus: float = 0.005,
@@ -99,7 +104,7 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
         raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
     if cache_dir == "auto":
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
-    bookends = [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(split))]
+    bookends = _used_bookends(split, skip_splits)
     extra = bool(add_extra_token)
     indexed = [_open(p) for p in prefixes]
     if vocab_size is not None:
@@ -152,7 +157,7 @@ def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size
         if len(run.data_path) != 1 or len(run.data_path[0].split()) != 1:
             raise DataError(f"--sft takes one --data-path prefix (an SFT dataset from `hf-megatron preprocess "
                             f"--sft`), got {run.data_path}; blends are not supported for SFT")
-        bookends = [None if name in skip_splits else ends for name, ends in zip(SPLITS, split_bookends(run.split))]
+        bookends = _used_bookends(run.split, skip_splits)
         return build_sft_datasets(run.data_path[0], bookends, run.seq_length, seed, num_samples,
                                   pack=getattr(run, "sft_pack", False))
     return build_gpt_datasets(run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,

@@ -143,6 +143,12 @@ def sp_gather(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else _SPGather.apply(x, group)
 
 
+def column_input(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of a column-parallel matmul: all-gathered along the sequence (backward
+    reduce-scatters) with sequence parallelism, else replicated (backward all-reduces)."""
+    return sp_gather(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
 def sp_reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     return x if group_size(group) == 1 else _SPReduceScatter.apply(x, group)
 

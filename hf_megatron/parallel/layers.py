@@ -47,7 +47,7 @@ class ColumnParallelLinear(nn.Linear):
             self.bias.tensor_parallel_dim = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = comm.sp_gather(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        x = comm.column_input(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -105,6 +105,6 @@ class VocabParallelOutput(nn.Module):
             self.weight.tensor_parallel_dim = 0
 
     def forward(self, x: torch.Tensor, tied_weight: torch.Tensor | None = None) -> torch.Tensor:
-        x = comm.sp_gather(x, self.group) if self.sequence_parallel else comm.copy_to_tp(x, self.group)
+        x = comm.column_input(x, self.group, self.sequence_parallel)
         return F.linear(x, self.weight if self.weight is not None else tied_weight)
 

@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..model.gpt import IGNORE_INDEX
 from . import comm
-
-IGNORE_INDEX = -100
 
 
 def _chunk_stats(z: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor, vocab_limit: int):
@@ -128,8 +127,7 @@ class FusedLinearLoss(nn.Module):
 
     def linear_loss_sum(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden [s(/tp), b, h] after the final norm, weight [V_r, h], targets [s, b] -> fp32 sum."""
-        if comm.group_size(self.group) > 1:
-            hidden = comm.sp_gather(hidden, self.group) if self.sequence_parallel else comm.copy_to_tp(hidden, self.group)
+        hidden = comm.column_input(hidden, self.group, self.sequence_parallel)  # as the output layer's input
         flat, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         chunk_rows = max(1, self.chunk_bytes // (4 * weight.shape[0]))
         chunks = math.ceil(flat.shape[0] / chunk_rows)

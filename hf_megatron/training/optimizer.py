@@ -263,8 +263,6 @@ class MixedPrecisionOptimizer:
                 main.copy_(saved)
                 view.copy_(saved)
 
-
-
     @torch.no_grad()
     def load_parameter_state(self, sd: dict, parameter_state: dict) -> None:
         """Main weights and AdamW moments of `fragments` from a parameter state (optimizer_state.py),

@@ -131,9 +131,9 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
 
     grid = state.get_state()
     if start.kind == "resume" and (saved := read_tracker(start.megatron_dir)) >= cfg.train_iters:
-        if _is_logger():  # said before the model is built, and nothing is written
-            print(f" {start.megatron_dir} is at iteration {saved}, which already reaches --train-iters "
-                  f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)", flush=True)
+        # said before the model is built, and nothing is written
+        monitor.note(f" {start.megatron_dir} is at iteration {saved}, which already reaches --train-iters "
+                     f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)")
         return {"iterations": saved, "already_done": True, "final_loss": None, "first_loss": None}
     chunks, optimizer, scheduler, restored = build_training_state(run, cfg, start, source, device, gbs)
     monitor.model_built(chunks, optimizer)
@@ -181,10 +181,11 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         stats = trainer.train_step(chunks, optimizer, scheduler, micro)
         iteration += 1
         consumed += gbs
+        non_finite = _non_finite(stats, cfg)
         counters["skipped_iterations"] += int(stats["skipped"])
-        counters["nan_iterations"] += int(_non_finite(stats, cfg))
+        counters["nan_iterations"] += int(non_finite)
         stats.update(counters, iteration=iteration, consumed_samples=consumed)
-        if _non_finite(stats, cfg) and not run.no_check_for_nan_in_loss_and_grad:
+        if non_finite and not run.no_check_for_nan_in_loss_and_grad:
             tracker = Path(run.save or "", TRACKER)
             kept = f"latest checkpoint: iteration {tracker.read_text().strip()}" if run.save and tracker.is_file() \
                 else "no checkpoint saved"

@@ -70,7 +70,7 @@ def check_vocab(folder: Path | None, model_vocab_size: int) -> None:
 
 def tokenizer_entry(folder: Path | None, save: str | os.PathLike) -> dict:
     """Megatron-LM's tokenizer args naming the copy in `<save>/tokenizer`."""
-    return tokenizer_args(folder, Path(save).absolute() / SUBDIR) if folder is not None else tokenizer_args(None)
+    return tokenizer_args(folder, Path(save).absolute() / SUBDIR)  # NullTokenizer when folder is None
 
 
 def copy_into_save(folder: Path | None, save: str | os.PathLike) -> None:
