@@ -73,7 +73,9 @@ def profile_variant(name: str, variant: str, args) -> dict:
         per_group[group_of(event.key)] += device_us / 1e3 / args.steps
         per_kernel[event.key] += device_us / 1e3 / args.steps
     return {"model": name, "variant": variant, "wall_ms": wall * 1e3, "kernel_ms": sum(per_group.values()),
-            "groups": dict(per_group), "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]}
+            "groups": dict(per_group), "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top],
+            "by_group": {g: sorted(((k, ms) for k, ms in per_kernel.items() if group_of(k) == g),
+                                   key=lambda kv: -kv[1])[: args.top] for g in args.breakdown}}
 
 
 def main() -> None:
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--breakdown", nargs="*", default=[], metavar="GROUP",
+                        help="also list the top kernels inside these groups (e.g. copy/cast reduction)")
     args = parser.parse_args()
     results = []
     for variant in args.variants:
@@ -103,6 +107,10 @@ def main() -> None:
         print(f"\n{r['variant']} top kernels (ms/step):")
         for key, ms in r["top"]:
             print(f"  {ms:7.2f}  {key[:110]}")
+        for group, kernels in r["by_group"].items():
+            print(f"\n{r['variant']} top kernels in {group} (ms/step):")
+            for key, ms in kernels:
+                print(f"  {ms:7.2f}  {key[:110]}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ model-parallel group (tp x pp) and a parameter replicated over TP (no `tensor_pa
 is counted on tp rank 0 only; the last stage's copy of tied word embeddings is not counted
 (it equals the first stage's after the embedding all-reduce).  Grads are already summed over
 dp, so dp ranks hold identical norms.  If ||g|| > clip: g <- g * clip / (||g|| + 1e-6).
+With torch's fused AdamW the factor is applied inside the AdamW kernel (its `grad_scale`).
 
 Weight decay is not applied to biases and norm weights (every 1-D parameter).
 
@@ -192,13 +193,20 @@ class MixedPrecisionOptimizer:
             # bf16 / fp32 (no scaler): a non-finite gradient shows in the global norm, which is
             # all-reduced over the model-parallel group and equal on dp ranks (grads are summed)
             return False, None
-        if self.clip_grad and self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
-            if coeff < 1.0:
-                torch._foreach_mul_(grads, coeff)
+        coeff = self.clip_grad / (norm + 1e-6) if self.clip_grad and self.clip_grad > 0 else 1.0
+        in_kernel = coeff < 1.0 and bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
+        if coeff < 1.0 and not in_kernel:
+            torch._foreach_mul_(grads, coeff)
         for main, g in zip(self.main_params, grads):
             main.grad = g
-        self.optimizer.step()
+        if in_kernel:
+            # torch's fused AdamW divides each gradient by `grad_scale` as it reads it (the hook
+            # GradScaler uses): clipping costs no extra pass over the fp32 grads
+            self.optimizer.grad_scale = torch.full((1,), 1.0 / coeff, dtype=torch.float32, device=grads[0].device)
+        try:
+            self.optimizer.step()
+        finally:
+            self.optimizer.__dict__.pop("grad_scale", None)
         copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
         for main in self.main_params:
             main.grad = None
