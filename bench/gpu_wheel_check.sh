@@ -38,7 +38,7 @@ import torch
 site, extensions = sys.argv[1], sys.argv[2]
 import hf_megatron
 from hf_megatron import kernels
-from hf_megatron.kernels import build, functions, reference
+from hf_megatron.kernels import build, functions, ops, reference
 
 assert hf_megatron.__file__.startswith(os.path.join(site, "hf_megatron") + os.sep), \
     f"imported {hf_megatron.__file__}, not the wheel in {site}"
@@ -52,11 +52,13 @@ assert os.path.realpath(ext.__file__).startswith(os.path.realpath(extensions)), 
     f"extension loaded from {ext.__file__}, not built fresh in {extensions}"
 
 calls = {}
-for name in ("FusedRMSNorm", "FusedSwiGLU", "FusedRotary"):  # count uses: a silent fallback fails the check
+for name in ("FusedRMSNorm", "FusedRotary"):  # count uses: a silent fallback fails the check
     fn = getattr(functions, name)
     original = fn.apply
     fn.apply = lambda *args, _original=original, _name=name: calls.update({_name: calls.get(_name, 0) + 1}) \
         or _original(*args)
+_swiglu = ops.swiglu
+ops.swiglu = lambda *args: calls.update({"swiglu": calls.get("swiglu", 0) + 1}) or _swiglu(*args)
 
 
 def rel_err(a, b):
@@ -96,7 +98,7 @@ for dtype in (torch.float32, torch.bfloat16):
         if err > tol[dtype]:
             failed.append(f"{op} {dtype}: rel err {err:.2e} > {tol[dtype]}")
 torch.cuda.synchronize()
-unused = [name for name in ("FusedRMSNorm", "FusedSwiGLU", "FusedRotary") if not calls.get(name)]
+unused = [name for name in ("FusedRMSNorm", "swiglu", "FusedRotary") if not calls.get(name)]
 if unused:
     failed.append(f"fell back to PyTorch for {unused}")
 print(f"| wheel kernels | {torch.cuda.get_device_name()} | torch {torch.__version__} | built in {build_s:.0f} s from "

@@ -52,9 +52,14 @@ def _assert_ulp_close(a, b, dtype, ulps=1):
 
 
 def _uses_kernel(monkeypatch, fused_name):
-    """Count calls of the fused Function so a test fails if the dispatcher silently fell back."""
-    from hf_megatron.kernels import functions
+    """Count calls of the fused Function (or, for SwiGLU, the custom op) so a test fails if the
+    dispatcher silently fell back."""
+    from hf_megatron.kernels import functions, ops
     calls = []
+    if fused_name == "swiglu":
+        original = ops.swiglu
+        monkeypatch.setattr(ops, "swiglu", lambda *a: calls.append(1) or original(*a))
+        return calls
     original = getattr(functions, fused_name).apply
     monkeypatch.setattr(getattr(functions, fused_name), "apply", lambda *a: calls.append(1) or original(*a))
     return calls
@@ -97,7 +102,7 @@ def test_rms_norm_weight_grad_is_deterministic():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(16, 2, 2 * 1792), (5, 2 * 7), (3, 2 * 64)])
 def test_swiglu_kernel_matches_fallback(monkeypatch, dtype, shape):
-    calls = _uses_kernel(monkeypatch, "FusedSwiGLU")
+    calls = _uses_kernel(monkeypatch, "swiglu")
     x = _rand(*shape, dtype=dtype, seed=6, scale=2.0).requires_grad_()
     probe = _rand(*shape[:-1], shape[-1] // 2, dtype=dtype, seed=7)
     y, (dx,) = _run(kernels.swiglu, (x,), probe)

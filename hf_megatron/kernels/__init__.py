@@ -3,8 +3,10 @@
 Each op runs the CUDA kernel from csrc/ when its input is a CUDA tensor that the kernel
 handles (float32/float16/bfloat16, matching dtypes) and the extension builds; otherwise, and
 always on CPU, it runs the PyTorch expression in reference.py that the model has always used.
-`HF_MEGATRON_KERNELS=0` forces the fallbacks; inside torch.compile the fallbacks are traced too
-(the compiler fuses them itself).  A failed build warns once per process, then falls back.
+`HF_MEGATRON_KERNELS=0` forces the fallbacks.  Inside torch.compile, SwiGLU stays the csrc kernel
+(a torch.library custom op, kernels/ops.py: inductor's own lowering of its backward reads twice
+as much); RMSNorm and rotary fall back to the expressions, which inductor fuses with the residual
+add and the attention layout.  A failed build warns once per process, then falls back.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ def _compiling() -> bool:
     return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
 
 
-def _kernel_ready(x: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0 and enabled() and not _compiling()
-            and load_extension() is not None)
+def _kernel_ready(x: torch.Tensor, compilable: bool = False) -> bool:
+    """The csrc kernel can take x; `compilable` ops (kernels/ops.py) also inside torch.compile."""
+    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0 and enabled()
+            and (compilable or not _compiling()) and load_extension() is not None)
 
 
 def kernels_available() -> bool:
@@ -51,9 +54,9 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate; up] on the last dim ([..., 2f] -> [..., f])."""
     if x.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dim must be even ([gate; up] halves), got shape {tuple(x.shape)}")
-    if _kernel_ready(x):
-        from .functions import FusedSwiGLU
-        return FusedSwiGLU.apply(x)
+    if _kernel_ready(x, compilable=True):
+        from . import ops
+        return ops.swiglu(x)
     return swiglu_reference(x)
 
 

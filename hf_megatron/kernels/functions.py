@@ -1,8 +1,8 @@
-"""autograd Functions over the CUDA extension (hf_megatron/kernels/build.py loads it).
+"""autograd Functions over the CUDA extension (hf_megatron/kernels/build.py loads it); SwiGLU is a
+torch.library custom op instead (ops.py).
 
 Each saves the least that its backward needs:
   RMSNorm: x, weight and the fp32 per-row 1/rms (recomputing x_hat in backward);
-  SwiGLU:  only the fc1 output [gate; up] (silu and sigmoid are recomputed);
   rotary:  only cos and sin (the map is linear in x).
 Backward is not itself differentiable (no double backward), as for megatron-core's fused ops.
 """
@@ -30,23 +30,6 @@ class FusedRMSNorm(torch.autograd.Function):
         rows, weight, rstd = ctx.saved_tensors
         dx, dw = load_extension().rms_norm_backward(dy.reshape(rows.shape).contiguous(), rows, weight, rstd)
         return dx.view(ctx.shape), dw, None
-
-
-class FusedSwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
-        y = load_extension().swiglu_forward(rows)
-        ctx.save_for_backward(rows)
-        ctx.shape = x.shape
-        return y.view(*x.shape[:-1], x.shape[-1] // 2)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
-        (rows,) = ctx.saved_tensors
-        dx = load_extension().swiglu_backward(dy.reshape(rows.shape[0], -1).contiguous(), rows)
-        return dx.view(ctx.shape)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
