@@ -11,7 +11,7 @@ For a chunk of c token rows H_c [c, h] against this rank's vocabulary rows W [V_
     loss_i = log S_i + m_i - z_t,i                (0 where target = -100)
     dL/dZ = softmax(Z) - onehot(target) = P       (rows of ignored targets: 0)
     dL/dH_c = P W      (partial over TP: the input's copy_to_tp / sp_gather backward sums it)
-    dL/dW  += P^T H_c  (fp32 accumulator over chunks)
+    dL/dW  += P^T H_c  (fp32 accumulator over chunks; on CUDA the GEMM adds into it directly)
 
 The forward returns the summed loss and already holds both gradients (Liger's trick: no second
 pass over the vocabulary in backward); backward scales them by the incoming scalar gradient.  That
@@ -60,6 +60,15 @@ def _chunk_grad(e: torch.Tensor, sum_exp, row_max, picked, local_target, inside,
 EAGER = (_chunk_stats, _chunk_probs, _chunk_grad)
 
 
+def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b for an fp32 acc.  On CUDA with bf16/fp16 a, b the GEMM accumulates into acc
+    itself (cuBLAS beta = 1 with an fp32 C, aten::addmm.dtype_out): no [V_r, h] product rounded to
+    bf16, written and read back once per chunk.  Elsewhere the product is formed, then added."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.add_(a @ b)
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_size: int, chunk_rows: int, group, fns=EAGER):
@@ -89,7 +98,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total += loss
             grad_hidden[start:start + chunk_rows] = p @ weight
             if grad_weight is not None:
-                grad_weight.add_(p.t() @ h)
+                _add_matmul_(grad_weight, p.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight if grad_weight is not None else torch.empty(0))
         ctx.weight_dtype, ctx.has_weight_grad = weight.dtype, grad_weight is not None
         return total
