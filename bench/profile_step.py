@@ -42,6 +42,30 @@ def group_of(name: str) -> str:
     return "other elementwise"
 
 
+def idle_gaps(prof, count: int) -> list[tuple[float, str, str, str]]:
+    """The `count` longest intervals with no kernel running (over the whole profile, so roughly
+    `steps` times the per-step gaps): (ms, kernel before, kernel after, CPU ops overlapping)."""
+    kernels = sorted((e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+                      and e.time_range.end > e.time_range.start), key=lambda e: e.time_range.start)
+    cpu_ops = [e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CPU]
+    found, busy_until, last = [], None, None
+    for k in kernels:
+        if busy_until is not None and k.time_range.start > busy_until:
+            found.append((k.time_range.start - busy_until, busy_until, k.time_range.start, last.name, k.name))
+        if busy_until is None or k.time_range.end > busy_until:
+            busy_until, last = k.time_range.end, k
+    rows = []
+    for length, lo, hi, before, after in sorted(found, key=lambda g: -g[0])[:count]:
+        overlapping = defaultdict(float)
+        for op in cpu_ops:
+            shared = min(op.time_range.end, hi) - max(op.time_range.start, lo)
+            if shared > 0:
+                overlapping[op.name] += shared
+        names = ", ".join(n for n, _ in sorted(overlapping.items(), key=lambda kv: -kv[1])[:4])
+        rows.append((length / 1e3, before[:50], after[:50], names[:160]))
+    return rows
+
+
 def profile_variant(name: str, variant: str, args) -> dict:
     spec = (throughput.TINY if args.tiny else throughput.MODELS)[name]
     ids = torch.randint(0, throughput.hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
@@ -72,7 +96,8 @@ def profile_variant(name: str, variant: str, args) -> dict:
             continue
         per_group[group_of(event.key)] += device_us / 1e3 / args.steps
         per_kernel[event.key] += device_us / 1e3 / args.steps
-    return {"model": name, "variant": variant, "wall_ms": wall * 1e3, "kernel_ms": sum(per_group.values()),
+    gaps = idle_gaps(prof, args.gaps) if cuda and args.gaps else []
+    return {"model": name, "variant": variant, "wall_ms": wall * 1e3, "kernel_ms": sum(per_group.values()), "gaps": gaps,
             "groups": dict(per_group), "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top],
             "by_group": {g: sorted(((k, ms) for k, ms in per_kernel.items() if group_of(k) == g),
                                    key=lambda kv: -kv[1])[: args.top] for g in args.breakdown}}
@@ -88,6 +113,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--gaps", type=int, default=0, metavar="N",
+                        help="also list the N longest GPU idle gaps of the last profiled step, with the kernels "
+                             "around them and the CPU ops that ran during them")
     parser.add_argument("--breakdown", nargs="*", default=[], metavar="GROUP",
                         help="also list the top kernels inside these groups (e.g. copy/cast reduction)")
     args = parser.parse_args()
@@ -107,6 +135,10 @@ def main() -> None:
         print(f"\n{r['variant']} top kernels (ms/step):")
         for key, ms in r["top"]:
             print(f"  {ms:7.2f}  {key[:110]}")
+        if r["gaps"]:
+            print(f"\n{r['variant']} longest GPU idle gaps (ms | kernel before | kernel after | CPU ops meanwhile):")
+            for ms, before, after, ops in r["gaps"]:
+                print(f"  {ms:6.2f} | {before} | {after} | {ops}")
         for group, kernels in r["by_group"].items():
             print(f"\n{r['variant']} top kernels in {group} (ms/step):")
             for key, ms in kernels:

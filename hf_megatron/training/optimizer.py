@@ -238,7 +238,11 @@ class MixedPrecisionOptimizer:
         counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g.numel()]
         device = grads[0].device if grads else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if counted:
+        if counted and not self.sharded and len(counted) == len(self.model_params):
+            # every grad counts (tp = pp = 1): one norm of the whole buffer, whose padding is
+            # zero, instead of a norm per tensor stacked and summed
+            total = torch.linalg.vector_norm(self.grad_buffer.data, dtype=torch.float64).pow(2)
+        elif counted:
             total = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         for group in self._norm_groups():
             if group is not None and dist.get_world_size(group) > 1:
