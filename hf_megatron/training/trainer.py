@@ -130,14 +130,20 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
         optimizer.zero_grad(num_micro_batches=None if accumulate else len(micro_batches))
     device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
-                         grid.group("dp"))
-    global_tokens = max(tokens.item(), 1.0)
+                         grid.group("dp")).clamp(min=1.0)
     loss_scale, lr = optimizer.loss_scale, optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
-    out = pipeline.forward_backward(chunks, micro_batches, loss_scale=loss_scale * loss_weight / global_tokens)
+    # the token count stays on the device (a 0-d fp32 scale, the value a Python float would be
+    # rounded to): no host sync before the forward, so it queues behind the previous step's update
+    scale = (loss_scale * loss_weight / tokens).to(torch.float32)
+    out = pipeline.forward_backward(chunks, micro_batches, loss_scale=scale)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
+    # read loss and token count now, in one sync that backward needs anyway before the grad norm,
+    # rather than after the update was queued (which would wait for the whole AdamW step)
+    loss_total, global_tokens = torch.cat([loss_sum, tokens.reshape(1)]).tolist()
+    result = {"loss": loss_total / global_tokens, "grad_norm": None, "lr": lr, "skipped": False,
+              "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
     if accumulate:
-        return {"loss": loss_sum.item() / global_tokens, "grad_norm": None, "lr": lr, "skipped": False,
-                "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
+        return result
 
     optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
     sync_sequence_parallel_grads(optimizer.model_params)
@@ -145,8 +151,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     updated, grad_norm = optimizer.step()
     if updated and scheduler is not None:
         scheduler.step()
-    return {"loss": loss_sum.item() / global_tokens, "grad_norm": grad_norm, "lr": lr,
-            "skipped": not updated, "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
+    return {**result, "grad_norm": grad_norm, "skipped": not updated}
 
 
 @torch.no_grad()
