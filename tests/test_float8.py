@@ -60,6 +60,22 @@ def test_fp8_setup_errors_are_one_line(argv, fragment):
     assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
 
 
+@pytest.mark.parametrize("fp8_format, recipe, grad_dtype, granularity", [
+    ("hybrid", "tensorwise", "float8_e5m2", "TENSORWISE"),
+    ("e4m3", "tensorwise", "float8_e4m3fn", "TENSORWISE"),
+    ("e4m3", "rowwise", "float8_e4m3fn", "AXISWISE"),
+])
+def test_fp8_flags_map_onto_torchao_casts(fp8_format, recipe, grad_dtype, granularity):
+    """Megatron's formats: e4m3 activations and weights always; gradients e5m2 (hybrid) or e4m3."""
+    pytest.importorskip("torchao")
+    from hf_megatron.parallel.float8 import torchao_config
+    config = torchao_config(fp8_format, recipe)
+    for cast in (config.cast_config_input, config.cast_config_weight):
+        assert cast.target_dtype == torch.float8_e4m3fn and cast.scaling_granularity.name == granularity
+    for cast in (config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight):
+        assert cast.target_dtype == getattr(torch, grad_dtype) and cast.scaling_granularity.name == granularity
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_fp8_without_cuda_is_one_clear_error_before_any_weight_is_read():
     from hf_megatron.loading import build_model
