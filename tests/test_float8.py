@@ -44,6 +44,7 @@ def test_fp8_flags_parse_with_megatron_names():
     assert (cfg.fp8_format, cfg.fp8_recipe) == ("e4m3", "rowwise")
     # accelerate's other_megatron_args reach the same fields
     assert TrainingConfig.from_dict({"bf16": True, "fp8_format": "e4m3"}).fp8_format == "e4m3"
+    assert TrainingConfig.from_dict({"bf16": True, "fp8": "hybrid"}).fp8_format == "hybrid"  # Megatron's args.fp8
 
 
 @pytest.mark.parametrize("argv, fragment", [

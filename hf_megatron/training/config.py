@@ -25,6 +25,7 @@ from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+MEGATRON_DESTS = {"fp8": "fp8_format"}  # Megatron-LM's argparse dest -> our field (its flag's name)
 BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below", "<", operator.lt))
 
 
@@ -225,6 +226,8 @@ class TrainingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainingConfig":
+        # Megatron-LM's `args` names where they differ from the flag (--fp8-format stores args.fp8)
+        data = {MEGATRON_DESTS.get(k, k): v for k, v in data.items()}
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:
