@@ -9,6 +9,18 @@ Models (random weights, from transformers configs built directly; dropout 0):
     gpt2-xl      1.5B   batch  8 x seq 1024
     llama-1b     1.2B   hidden 2048, 16 layers, 32 heads / 8 KV heads, ffn 8192, vocab 128256, tied;
                         batch 8 x seq 2048
+    llama-3b     3.6B   bench/bench_parallel.py's "3b": hidden 3072, 28 layers, 24 heads / 8 KV heads,
+                        ffn 8192, vocab 128256, untied; batch 2 x seq 4096 (not in the default list:
+                        `--models llama-3b`, for the float8 row)
+The 3B batch, estimated for one 141 GB H200 (~139 GiB usable): weights + optimizer state are
+3.61e9 params x 18 B (ours: bf16 weights, fp32 main weights and main grads, Adam m and v) =
+60.5 GiB, or x 16 B (transformers: fp32 weights and grads, Adam) + 6 GiB of autocast bf16 weight
+copies = 60 GiB; activations, scaled from the measured 1.2B rows (logits ~1.2 MiB/token at vocab
+128256, layers x1.75 for 28 vs 16 layers and x1.15 for the wider hidden) and from
+bench_parallel's 3B at one 4096-token sequence (78.6 GiB), are ~4.6 MiB/token (ours) and
+~5.3 MiB/token (transformers eager).  Batch 2 (8192 tokens): ~98 / ~102 GiB; batch 3: ~116 /
+~123 GiB; batch 4 does not fit.  2 keeps every variant, eager included, clear of the limit;
+`--batch 3` tries more.
 Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids shifted by one):
     hf-eager      transformers, fp32 weights under bf16 autocast, SDPA, fused torch AdamW
     hf-compile    the same, the whole model compiled (`model.compile()`)
@@ -18,7 +30,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   fused linear cross entropy); Llama only (liger has no GPT-2 patch: the row says so)
     ours-compile  the same with build_model(..., compile=True): each layer and the loss compiled
     ours-fused-ce ours-compile with the output layer + cross entropy in chunks (parallel/linear_loss.py)
-    ours-float8   ours-fused-ce with the layers' linears in torchao float8 (parallel/float8.py)
+    ours-float8   ours-fused-ce with the layers' linears in torchao float8: TrainingConfig(fp8_format=
+                  "hybrid", fp8_recipe="tensorwise"), i.e. `train --fp8-format hybrid` (parallel/float8.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -64,7 +77,12 @@ MODELS = {
     "llama-1b": Spec("llama", 8, 2048, dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                                             num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
                                             tie_word_embeddings=True, rope_theta=500000.0)),
+    # bench/bench_parallel.py's MODELS["3b"] (its ModelConfig: rope 500000, norm eps 1e-5, untied)
+    "llama-3b": Spec("llama", 2, 4096, dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24,
+                                            num_key_value_heads=8, intermediate_size=8192, vocab_size=128256,
+                                            tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5)),
 }
+DEFAULT_MODELS = ("gpt2-medium", "gpt2-xl", "llama-1b")  # the issue's table; llama-3b on request
 TINY = {  # same families, CPU-sized
     "gpt2-medium": Spec("gpt2", 2, 32, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=300, bos_token_id=0,
                                             eos_token_id=0)),
@@ -73,7 +91,16 @@ TINY = {  # same families, CPU-sized
     "llama-1b": Spec("llama", 2, 32, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                           num_key_value_heads=2, intermediate_size=128, vocab_size=300,
                                           tie_word_embeddings=True)),
+    "llama-3b": Spec("llama", 2, 64, dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6,
+                                          num_key_value_heads=2, intermediate_size=128, vocab_size=300,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-5)),
 }
+
+
+def spec_of(name: str, tiny: bool, batch: int | None = None) -> Spec:
+    """The model's Spec (its tiny twin with `tiny`), the batch replaced by `batch` when given."""
+    spec = (TINY if tiny else MODELS)[name]
+    return spec if batch is None else Spec(spec.family, batch, spec.seq, spec.config)
 
 
 def hf_config(spec: Spec):
@@ -131,18 +158,15 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
-    cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0)
+    cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0,
+                         fp8_format="hybrid" if float8 else None)
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
+        # float8 (cfg.fp8_format): build_model swaps the float8 linears in before the regional compile
         chunks = build_model(source, cfg, device=device, fused_loss=fused_loss,
-                             compile={"mode": compile_mode} if compile and not float8 else False)
+                             compile={"mode": compile_mode} if compile else False)
         del source
-        if float8:  # from outside, like TP: float8 linears first, then the regional compile
-            from hf_megatron.parallel.compile import apply_compile
-            from hf_megatron.parallel.float8 import apply_float8
-            for chunk in chunks:
-                apply_compile(apply_float8(chunk), mode=compile_mode)
         optimizer = build_optimizer(chunks, cfg)
     except BaseException:
         state.reset()
@@ -251,6 +275,7 @@ def measure_in_child(name, variant, args, peak) -> dict:
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--lr", str(args.lr)]
     command += (["--tiny"] if args.tiny else []) + (["--compile-mode", args.compile_mode] if args.compile_mode else [])
     command += ["--peak", str(peak)] if peak else []
+    command += ["--batch", str(args.batch)] if args.batch else []
     done = subprocess.run(command, capture_output=True, text=True)
     rows = [line[len("ROW "):] for line in done.stdout.splitlines() if line.startswith("ROW ")]
     if rows:
@@ -261,12 +286,14 @@ def measure_in_child(name, variant, args, peak) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(DEFAULT_MODELS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 1 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, >= 1 (default 3; 1 with --tiny)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs (a CPU dry run)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step for every model given "
+                                                                  "(default: each model's own, see above)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode for both compiled variants")
     parser.add_argument("--lr", type=float, default=1e-5,
                         help="AdamW lr for both sides (at 1e-5 most bf16 weights stay put for ~10 steps: an update "
@@ -278,20 +305,19 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:  # one row for the parent (measure_in_child)
-        spec = (TINY if args.tiny else MODELS)[args.models[0]]
+        spec = spec_of(args.models[0], args.tiny, args.batch)
         row = measure_here(args.models[0], spec, args.variants[0], args, flops_per_token(spec), args.peak)
         print("ROW " + json.dumps(row), flush=True)
         return
     args.steps = args.steps or (1 if args.tiny else 10)
     args.warmup = max(1, args.warmup or (1 if args.tiny else 3))
-    specs = TINY if args.tiny else MODELS
     peak = measure_bf16_peak(device=args.device) if args.device.startswith("cuda") else None
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {device_name}; measured bf16 matmul peak: "
           f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'n/a (no CUDA)'}", flush=True)
     rows = []
     for name in args.models:
-        spec = specs[name]
+        spec = spec_of(name, args.tiny, args.batch)
         flops = flops_per_token(spec)
         for variant in args.variants:
             row = measure_in_child(name, variant, args, peak) if args.isolate else measure_here(name, spec, variant,

@@ -4,6 +4,7 @@
         whole = GPTModel(config, dtype)                             # full shapes, no memory
     chunk = split_module(whole, index, pp * vpp, layers_per_stage)   # this chunk's layers only
     parallelize(chunk, plan_for(config), tp_group, sequence_parallel)  # this rank's shards
+    apply_float8(chunk, *fp8)                                         # if fp8=(format, recipe)
     apply_compile(chunk)                                              # if compile=True: per layer
     apply_recompute(chunk, recompute)                                 # (checkpoint wraps compiled)
     chunk.to_empty(device=device); load weights                       # pretrained or Megatron init
@@ -31,6 +32,7 @@ from .model.gpt import GPTModel
 from .model.init import init_tensor
 from .parallel import state
 from .parallel.compile import apply_compile
+from .parallel.float8 import apply_float8
 from .parallel.linear_loss import apply_fused_linear_loss
 from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
@@ -84,7 +86,7 @@ def materialise(model: nn.Module, device) -> None:
 def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
                 compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
-                init: bool = True, fused_loss: bool = False) -> GPTModel:
+                init: bool = True, fused_loss: bool = False, fp8: tuple[str, str] | None = None) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
@@ -93,7 +95,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     e.g. {"mode": "max-autotune-no-cudagraphs"}) compiles each transformer layer and the loss
     (`parallel.compile.apply_compile`), inside any recompute.  `fused_loss=True` computes the output
     layer and the cross entropy in chunks on the training path (`parallel.linear_loss`): no whole
-    [tokens, vocab] logits."""
+    [tokens, vocab] logits.  `fp8=(format, recipe)`, e.g. ("hybrid", "tensorwise"): the layers'
+    linears in torchao float8 (`parallel.float8`; CUDA only, tp 1), swapped in before compile."""
     if isinstance(source, ModelConfig):
         config, get = source, None
     else:
@@ -109,6 +112,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     parallelize(model, plan_for(config), state.tp_group() if tp_group is _GRID else tp_group, sequence_parallel)
     if fused_loss and model.post_process:
         apply_fused_linear_loss(model)  # output layer + loss in chunks (parallel/linear_loss.py)
+    if fp8 is not None:  # on meta, before materialising: a bad setup fails before any weight is read
+        apply_float8(model, *fp8, device=device or "cpu")
     if compile:
         # before recompute: the checkpoint must wrap the compiled layer (see parallel/compile.py)
         apply_compile(model, **(compile if isinstance(compile, dict) else {}))

@@ -1,16 +1,24 @@
-"""float8 linears (parallel/float8.py): a clear error where they cannot run; on a float8 GPU, the
-loss and gradients track the bf16 model.
+"""float8 linears (parallel/float8.py, `--fp8-format` / `--fp8-recipe`): the flags parse with
+Megatron-LM's names, every setup that cannot run is one clear error (no silent bf16 fallback); on a
+float8 GPU, the loss and gradients track the bf16 model, and so does `hf-megatron train`.
 
 Tolerance (GPU): e4m3 keeps 3 mantissa bits (relative rounding 2^-4 per element) with one scale per
 tensor, so a matmul's output moves by a few percent elementwise; summed into a cross entropy
 the loss of a random tiny model stays within 2% of bf16, and each weight gradient points the same
 way (cosine similarity >= 0.95) -- a wrong scale or a transposed cast would break both.
 """
+import argparse
+import json
+import sys
+
 import pytest
 import torch
 
+from hf_megatron.commands.flags import add_flags, configs_from_args
 from hf_megatron.errors import ConfigError
+from hf_megatron.training.config import RunConfig, TrainingConfig
 from tiny import VOCAB, tiny_hf_model
+from train_cli import base_args, cli_inprocess, cli_subprocess, make_workspace
 
 FLOAT8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
@@ -21,11 +29,96 @@ def _model(dtype, device):
     return build_model(tiny_hf_model("llama"), dtype=dtype, device=device)
 
 
-@pytest.mark.skipif(FLOAT8_GPU, reason="checks the refusal without a float8 GPU")
-def test_float8_without_a_float8_gpu_is_one_clear_error():
+def _parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_flags(parser, RunConfig, TrainingConfig)
+    base = ["--hf-config", "nowhere", "--data-path", "nowhere_text_document", "--train-iters", "2"]
+    return configs_from_args(parser.parse_args([*base, *argv]), RunConfig, TrainingConfig)[1]
+
+
+def test_fp8_flags_parse_with_megatron_names():
+    assert _parse().fp8_format is None and _parse().fp8_recipe == "tensorwise"  # off by default
+    cfg = _parse("--bf16", "--fp8-format", "hybrid")
+    assert (cfg.fp8_format, cfg.fp8_recipe) == ("hybrid", "tensorwise")
+    cfg = _parse("--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise")
+    assert (cfg.fp8_format, cfg.fp8_recipe) == ("e4m3", "rowwise")
+    # accelerate's other_megatron_args reach the same fields
+    assert TrainingConfig.from_dict({"bf16": True, "fp8_format": "e4m3"}).fp8_format == "e4m3"
+    assert TrainingConfig.from_dict({"bf16": True, "fp8": "hybrid"}).fp8_format == "hybrid"  # Megatron's args.fp8
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--fp8-format", "hybrid"], "--fp8-format hybrid): expected --bf16 as well"),
+    (["--fp16", "--fp8-format", "e4m3"], "expected --bf16 as well (float8 linears keep bf16 weights), got --fp16"),
+    (["--bf16", "--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"], "expected --tensor-model-parallel"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], "use --fp8-format e4m3 with it"),
+    (["--bf16", "--fp8-format", "e5m2"], "(--fp8-format): expected one of e4m3, hybrid, got 'e5m2'"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "expected one of tensorwise, rowwise"),
+])
+def test_fp8_setup_errors_are_one_line(argv, fragment):
+    with pytest.raises(ConfigError) as info:
+        _parse(*argv)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("fp8_format, recipe, grad_dtype, granularity", [
+    ("hybrid", "tensorwise", "float8_e5m2", "TENSORWISE"),
+    ("e4m3", "tensorwise", "float8_e4m3fn", "TENSORWISE"),
+    ("e4m3", "rowwise", "float8_e4m3fn", "AXISWISE"),
+])
+def test_fp8_flags_map_onto_torchao_casts(fp8_format, recipe, grad_dtype, granularity):
+    """Megatron's formats: e4m3 activations and weights always; gradients e5m2 (hybrid) or e4m3."""
+    pytest.importorskip("torchao")
+    from hf_megatron.parallel.float8 import torchao_config
+    config = torchao_config(fp8_format, recipe)
+    for cast in (config.cast_config_input, config.cast_config_weight):
+        assert cast.target_dtype == torch.float8_e4m3fn and cast.scaling_granularity.name == granularity
+    for cast in (config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight):
+        assert cast.target_dtype == getattr(torch, grad_dtype) and cast.scaling_granularity.name == granularity
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_fp8_without_cuda_is_one_clear_error_before_any_weight_is_read():
+    from hf_megatron.loading import build_model
+    with pytest.raises(ConfigError, match="float8 training needs the model on a CUDA GPU, got device cpu"):
+        build_model(tiny_hf_model("llama"), dtype=torch.bfloat16, fp8=("hybrid", "tensorwise"))
     from hf_megatron.parallel.float8 import apply_float8
-    with pytest.raises(ConfigError, match="float8: needs a CUDA GPU"):
-        apply_float8(_model(torch.float32, "cpu"))
+    with pytest.raises(ConfigError, match="needs a CUDA GPU with float8 tensor cores"):
+        apply_float8(_model(torch.bfloat16, "cpu"))  # the bench's call: no device given
+
+
+def test_fp8_without_torchao_is_one_clear_error(monkeypatch):
+    from hf_megatron.parallel import float8
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao -> ImportError
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ConfigError, match="float8 training needs torchao, which is not importable"):
+        float8.check_float8_runs("cuda")
+
+
+def test_train_cli_refuses_fp8_without_bf16_in_one_line(tmp_path):
+    code, _, err = cli_inprocess(*base_args(make_workspace(tmp_path), 1, "--fp8-format", "hybrid"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "--fp8-format hybrid): expected --bf16" in lines[0], err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FLOAT8_GPU, reason="needs a GPU with float8 tensor cores (sm89+)")
+def test_train_with_fp8_tracks_bf16(tmp_path):
+    pytest.importorskip("torchao")
+    root = make_workspace(tmp_path)
+    summaries = {}
+    for name, extra in (("bf16", ()), ("fp8", ("--fp8-format", "hybrid")), ("fp8c", ("--fp8-format", "e4m3",
+                                                                                     "--torch-compile"))):
+        code, out, err = cli_subprocess(*base_args(root, 8, "--bf16", "--save", tmp_path / name, *extra),
+                                        timeout=600)
+        assert code == 0, err[-2000:]
+        summaries[name] = json.loads((tmp_path / name / "training_summary.json").read_text())
+    for name in ("fp8", "fp8c"):
+        assert summaries[name]["iterations"] == 8
+        for key in ("first_loss", "final_loss"):  # same 2% as the model-level check below
+            assert summaries[name][key] == pytest.approx(summaries["bf16"][key], rel=0.02), (name, key, summaries)
 
 
 @pytest.mark.gpu

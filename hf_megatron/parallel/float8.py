@@ -1,20 +1,31 @@
 """float8 training of the plain model's linears, applied from outside (like tensor parallelism).
 
-    chunks = build_model(source, cfg)          # bf16 weights, fp32 main weights in the optimizer
-    apply_float8(chunk)                        # nn.Linear -> torchao Float8Linear, names unchanged
-    apply_compile(chunk)                       # float8 pays only compiled (scaling fuses into the casts)
+    chunks = build_model(source, cfg)          # cfg.fp8_format set: built with float8 linears
+    # = parallelize(...); apply_float8(chunk, "hybrid", "tensorwise"); apply_compile(chunk)
 
-torchao's float8 training ("tensorwise" recipe by default: one dynamic scale per tensor,
-amax / 448 for e4m3 activations and weights, e5m2 for gradients) replaces each selected
-nn.Linear by a Float8Linear that casts input, weight and output gradient to float8 around
-`torch._scaled_mm`; the weight stays a bf16 parameter, so the fp32 main-weight optimizer, its
-main-grad hooks and the checkpoint names are untouched.  Skipped (kept in bf16): the output
-layer (the vocabulary projection feeds the loss; float8 logits cost accuracy for ~5% of the
-FLOPs), and any linear whose dimensions are not multiples of 16 (`_scaled_mm`'s rule).
+torchao's float8 training replaces each selected nn.Linear by a Float8Linear that, for
+Y = X W^T, computes  Y ~= (X / s_x)_f8 (W / s_w)_f8^T * s_x s_w  with `torch._scaled_mm`, and the
+two backward GEMMs likewise with the output gradient G cast to float8; each scale is dynamic,
+s = amax / (largest finite value of the float8 type), from the current tensor.  The weight stays
+a bf16 parameter, so the fp32 main-weight optimizer, its main-grad hooks and the checkpoint names
+are untouched.  Megatron-LM's flags, mapped onto what torchao does:
 
-Needs CUDA with float8 tensor cores (sm89+, e.g. H100/H200) and torchao importable; otherwise
-one clear error.  Tensor-parallel layers are subclasses of nn.Linear but hold a process group;
-torchao's Float8Linear does not know them, so float8 is refused at tp > 1.
+  --fp8-format hybrid   X, W in e4m3 (3 mantissa bits, max 448), G in e5m2 (2 bits, max 57344):
+                        gradients have the wider range (Transformer Engine's Format.HYBRID)
+  --fp8-format e4m3     X, W and G all in e4m3
+  --fp8-recipe tensorwise   one scale per tensor (cuBLAS tensorwise kernel; torchao's fastest)
+  --fp8-recipe rowwise      one scale per row of each operand (CUTLASS rowwise kernel, scales
+                            rounded down to powers of two); torchao casts G to e4m3 here, so only
+                            with --fp8-format e4m3
+Megatron-LM's `delayed`, `mxfp8` and `blockwise` recipes are Transformer Engine's; torchao has none
+of them.
+
+Kept in bf16: the output layer (the vocabulary projection feeds the loss; float8 logits cost
+accuracy for ~5% of the FLOPs), and any linear whose dimensions are not multiples of 16
+(`_scaled_mm`'s rule).  Needs CUDA with float8 tensor cores (sm89+, e.g. H100/H200), bf16 and
+torchao importable; otherwise one clear error.  Tensor parallelism: torchao's swap builds a fresh
+Float8Linear from the weight alone, which would drop the Column/RowParallelLinear collectives (and
+its filter skips them), so float8 is refused at tp > 1.
 """
 from __future__ import annotations
 
@@ -22,6 +33,20 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from . import comm
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+def check_fp8_choice(fp8_format: str, recipe: str) -> None:
+    """The (format, recipe) pairs torchao can run (one-line ConfigError otherwise)."""
+    if fp8_format not in FP8_FORMATS or recipe not in FP8_RECIPES:
+        raise ConfigError(f"--fp8-format / --fp8-recipe: expected a format in {FP8_FORMATS} and a recipe in "
+                          f"{FP8_RECIPES}, got {fp8_format!r} / {recipe!r}")
+    if recipe == "rowwise" and fp8_format == "hybrid":
+        raise ConfigError("--fp8-recipe rowwise: torchao's rowwise recipe casts gradients to e4m3 as well; use "
+                          "--fp8-format e4m3 with it (hybrid e5m2 gradients need --fp8-recipe tensorwise)")
 
 
 def _eligible(module: nn.Module, name: str) -> bool:
@@ -29,17 +54,45 @@ def _eligible(module: nn.Module, name: str) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def apply_float8(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
-    """Swap the eligible nn.Linear modules of `model` for torchao Float8Linear, in place."""
-    if any(type(m) is not nn.Linear and isinstance(m, nn.Linear) for m in model.modules()):
-        raise ConfigError("float8: tensor-parallel linears are not supported; use float8 at "
-                          "tensor_model_parallel_size 1")
+def check_float8_runs(device=None) -> None:
+    """One-line ConfigError unless float8 training can run here: a CUDA device (`device`, when given,
+    must be one) with compute capability 8.9+ and torchao importable."""
+    if device is not None and torch.device(device).type != "cuda":
+        raise ConfigError(f"--fp8-format: float8 training needs the model on a CUDA GPU, got device "
+                          f"{torch.device(device).type}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
-        raise ConfigError("float8: needs a CUDA GPU with float8 tensor cores (compute capability 8.9+)")
+        raise ConfigError("--fp8-format: float8 needs a CUDA GPU with float8 tensor cores (compute capability "
+                          "8.9+, e.g. H100/H200); none is available")
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        import torchao.float8  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"float8: torchao is not importable ({exc}); pip install torchao") from None
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: _eligible(m, fqn))
+        raise ConfigError(f"--fp8-format: float8 training needs torchao, which is not importable ({exc}); "
+                          "pip install torchao") from None
+
+
+def torchao_config(fp8_format: str = "hybrid", recipe: str = "tensorwise"):
+    """torchao's Float8LinearConfig for Megatron-LM's (--fp8-format, --fp8-recipe)."""
+    check_fp8_choice(fp8_format, recipe)
+    from torchao.float8 import CastConfig, Float8LinearConfig
+    from torchao.float8.config import e4m3_dtype
+    config = Float8LinearConfig.from_recipe_name(recipe)  # tensorwise: e4m3 X, W; e5m2 G (= hybrid)
+    if recipe == "tensorwise" and fp8_format == "e4m3":
+        config = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=e4m3_dtype))
+    return config
+
+
+def apply_float8(model: nn.Module, fp8_format: str = "hybrid", recipe: str = "tensorwise",
+                 device=None) -> nn.Module:
+    """Swap the eligible nn.Linear modules of `model` for torchao Float8Linear, in place (on the meta
+    device or materialised alike; parameter objects and names are kept).  Apply after
+    `parallelize` and before `apply_compile`: float8 pays only compiled (the scaling fuses into the
+    casts).  `device`: where the model will run, checked to be CUDA."""
+    check_fp8_choice(fp8_format, recipe)
+    if comm.group_size(getattr(model, "tp_group", None)) > 1:
+        raise ConfigError("--fp8-format: float8 training is not supported with tensor parallelism (torchao's "
+                          "Float8Linear has no Column/RowParallelLinear version); use "
+                          "--tensor-model-parallel-size 1")
+    check_float8_runs(device)
+    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training(model, config=torchao_config(fp8_format, recipe), module_filter_fn=_eligible)
     return model

@@ -21,9 +21,11 @@ import torch
 
 from ..errors import ConfigError
 from ..parallel import state
+from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+MEGATRON_DESTS = {"fp8": "fp8_format"}  # Megatron-LM's argparse dest -> our field (its flag's name)
 BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below", "<", operator.lt))
 
 
@@ -138,10 +140,21 @@ class TrainingConfig:
     cross_entropy_loss_fusion: bool = option(
         False, group="speed", help="output layer + cross entropy in chunks, no whole [tokens, vocab] logits: less "
                                    "memory, a few %% slower (bench/RESULTS.md)")
+    fp8_format: str | None = option(
+        None, group="speed", choices=FP8_FORMATS,
+        help="float8 training of the layers' linears through torchao (needs --bf16, a CUDA GPU of compute "
+             "capability 8.9+ and torchao; tp 1): hybrid = e4m3 activations and weights, e5m2 gradients; "
+             "e4m3 = e4m3 everywhere (default: off)")
+    fp8_recipe: str = option(
+        "tensorwise", group="speed", choices=FP8_RECIPES,
+        help="with --fp8-format: tensorwise = one dynamic scale per tensor; rowwise = one per row (e4m3 only); "
+             "Megatron-LM's delayed / mxfp8 / blockwise are Transformer Engine recipes torchao does not have")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.fp8_format is not None:
+            self._check_fp8()
         if self.bf16 and self.fp16:
             raise ConfigError("TrainingConfig: bf16 and fp16 are exclusive (--bf16 / --fp16: give at most one)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
@@ -168,6 +181,17 @@ class TrainingConfig:
             raise ConfigError("TrainingConfig.virtual_pipeline_model_parallel_size (--virtual-pipeline-model-"
                               "parallel-size): expected --pipeline-model-parallel-size > 1, got "
                               f"{self.virtual_pipeline_model_parallel_size} with pipeline size 1")
+
+    def _check_fp8(self) -> None:
+        """What --fp8-format needs that the config alone can tell (CUDA and torchao: at model build)."""
+        if not self.bf16:
+            raise ConfigError(f"TrainingConfig.fp8_format (--fp8-format {self.fp8_format}): expected --bf16 as well "
+                              f"(float8 linears keep bf16 weights), got {'--fp16' if self.fp16 else 'fp32'}")
+        if self.tensor_model_parallel_size > 1:
+            raise ConfigError(f"TrainingConfig.fp8_format (--fp8-format): float8 training is not supported with "
+                              f"tensor parallelism; expected --tensor-model-parallel-size 1, got "
+                              f"{self.tensor_model_parallel_size}")
+        check_fp8_choice(self.fp8_format, self.fp8_recipe)
 
     @property
     def warmup_iters(self) -> float:
@@ -202,6 +226,8 @@ class TrainingConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainingConfig":
+        # Megatron-LM's `args` names where they differ from the flag (--fp8-format stores args.fp8)
+        data = {MEGATRON_DESTS.get(k, k): v for k, v in data.items()}
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(data) - set(names))
         if unknown:

@@ -54,6 +54,8 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
     gpt_kwargs.setdefault("compile", cfg.torch_compile)
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
+    if cfg.fp8_format is not None:
+        gpt_kwargs.setdefault("fp8", (cfg.fp8_format, cfg.fp8_recipe))
     return build_model_chunks(
         source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
         sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_granularity,
