@@ -4,6 +4,7 @@
         whole = GPTModel(config, dtype)                             # full shapes, no memory
     chunk = split_module(whole, index, pp * vpp, layers_per_stage)   # this chunk's layers only
     parallelize(chunk, plan_for(config), tp_group, sequence_parallel)  # this rank's shards
+    apply_wgrad_fusion(chunk)                                         # if gradient_accumulation_fusion
     apply_compile(chunk)                                              # if compile=True: per layer
     apply_recompute(chunk, recompute)                                 # (checkpoint wraps compiled)
     chunk.to_empty(device=device); load weights                       # pretrained or Megatron init
@@ -36,6 +37,7 @@ from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
 from .parallel.recompute import apply_recompute
 from .parallel.sharding import load_full_weights
+from .parallel.wgrad import apply_wgrad_fusion
 
 _GRID = object()  # default tensor-parallel group: the one of the process's rank grid
 
@@ -84,7 +86,7 @@ def materialise(model: nn.Module, device) -> None:
 def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
                 compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
-                init: bool = True, fused_loss: bool = False) -> GPTModel:
+                init: bool = True, fused_loss: bool = False, gradient_accumulation_fusion: bool = False) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
@@ -93,7 +95,9 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     e.g. {"mode": "max-autotune-no-cudagraphs"}) compiles each transformer layer and the loss
     (`parallel.compile.apply_compile`), inside any recompute.  `fused_loss=True` computes the output
     layer and the cross entropy in chunks on the training path (`parallel.linear_loss`): no whole
-    [tokens, vocab] logits."""
+    [tokens, vocab] logits.  `gradient_accumulation_fusion=True` makes the transformer layers'
+    linears accumulate their weight gradients into the optimizer's fp32 main grads inside the
+    GEMM (`parallel.wgrad`)."""
     if isinstance(source, ModelConfig):
         config, get = source, None
     else:
@@ -107,6 +111,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
         # to the first stage's by the pipeline's embedding-group gradient all-reduce (as Megatron)
         model.output_layer.weight = nn.Parameter(torch.empty_like(whole.embedding.word_embeddings.weight))
     parallelize(model, plan_for(config), state.tp_group() if tp_group is _GRID else tp_group, sequence_parallel)
+    if gradient_accumulation_fusion:
+        apply_wgrad_fusion(model)  # before compile: the compiled layers trace the fused linears
     if fused_loss and model.post_process:
         apply_fused_linear_loss(model)  # output layer + loss in chunks (parallel/linear_loss.py)
     if compile:

@@ -138,6 +138,10 @@ class TrainingConfig:
     cross_entropy_loss_fusion: bool = option(
         False, group="speed", help="output layer + cross entropy in chunks, no whole [tokens, vocab] logits: less "
                                    "memory, a few %% slower (bench/RESULTS.md)")
+    gradient_accumulation_fusion: bool = option(
+        False, group="speed", help="accumulate each transformer-layer linear's weight gradient straight into its fp32 "
+                                   "main grad inside the weight-gradient GEMM (parallel/wgrad.py); Megatron-LM has "
+                                   "it on unless --no-gradient-accumulation-fusion, here off until measured")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

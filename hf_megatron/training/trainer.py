@@ -54,6 +54,7 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
     gpt_kwargs.setdefault("compile", cfg.torch_compile)
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
+    gpt_kwargs.setdefault("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion)
     return build_model_chunks(
         source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
         sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_granularity,
