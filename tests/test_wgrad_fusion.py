@@ -73,26 +73,48 @@ def test_fused_linear_compiles_without_graph_break():
     assert rel_err(weight.main_grad, expected) <= TOL
 
 
+def test_megatron_flags_switch_fusion_on_and_off():
+    import argparse
+    from hf_megatron.commands.flags import add_flags, configs_from_args
+    from hf_megatron.training import TrainingConfig
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TrainingConfig)
+    for argv, on in (([], False), (["--gradient-accumulation-fusion"], True),
+                     (["--no-gradient-accumulation-fusion"], False)):  # Megatron-LM's own spelling
+        config, = configs_from_args(parser.parse_args(argv), TrainingConfig)
+        assert config.gradient_accumulation_fusion is on, argv
+
+
 # ----------------------------------------------------------------------------- training runs
-def _train(arch: str, layout: dict, batches, fusion: bool, keep_alive: list, compile=False, **extra) -> dict:
-    """Train STEPS steps; losses, grad norms and this rank's main grads after every step."""
+def recorded_run(arch: str, layout: dict, batches, fusion: bool, keep_alive: list, compile=False,
+                 device: str = "cpu", hf_overrides: dict | None = None, **extra) -> dict:
+    """Train len(batches) steps; losses, grad norms and this rank's main grads after every step."""
     from hf_megatron.parallel import state
     from hf_megatron.training import build_model, build_optimizer, setup_parallel, split_batch, train_step
     cfg = training_config(layout, gradient_accumulation_fusion=fusion, **extra)
     setup_parallel(cfg)
     try:
-        chunks = build_model(tiny_hf_model(arch, **layer_kwargs(arch)), cfg, compile=compile)
+        hf = tiny_hf_model(arch, **layer_kwargs(arch), **(hf_overrides or {}))
+        chunks = build_model(hf, cfg, compile=compile, device=device)
         keep_alive.append(chunks)  # the pipeline caches schedules by chunk id: no id reuse
         optimizer = build_optimizer(chunks, cfg)
+        buffer, finish, early = optimizer.grad_buffer, optimizer.grad_buffer.finish, []
+
+        def finish_counting():  # with overlap, buckets whose params' hooks all fired are launched already
+            early.append(sum(b.launched for b in buffer.buckets))
+            finish()
+        buffer.finish = finish_counting
         named = [(f"{i}.{n}", p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
         losses, norms, grads = [], [], []
         for batch in batches:
-            stats = train_step(chunks, optimizer, None, split_batch(engine_batch(batch), cfg))
+            micro_batches = split_batch({k: v.to(device) for k, v in engine_batch(batch).items()}, cfg)
+            stats = train_step(chunks, optimizer, None, micro_batches)
             losses.append(stats["loss"])
             norms.append(stats["grad_norm"])
-            grads.append({n: p.main_grad.clone() for n, p in named})
+            grads.append({n: p.main_grad.detach().cpu().clone() for n, p in named})
         fused = sum(wgrad.is_fused(m) for c in chunks for m in c.modules())
-        return {"losses": losses, "norms": norms, "grads": grads, "fused_modules": fused}
+        return {"losses": losses, "norms": norms, "grads": grads, "fused_modules": fused, "early": early,
+                "buckets": len(buffer.buckets)}
     finally:
         state.reset()
 
@@ -105,12 +127,15 @@ def _assert_close(fused: dict, plain: dict, label: str) -> None:
         for name, grad in ref.items():
             assert rel_err(ours[name], grad) <= TOL, f"{label} step {step}: {name}"
     assert len(set(plain["losses"])) == len(plain["losses"]), label  # training moves
+    assert fused["early"] == plain["early"], label  # the placeholder dW keeps overlap's readiness count
+    if "overlap_grad_reduce" in label:
+        assert set(plain["early"]) == {plain["buckets"]} and plain["buckets"] > 10, label
 
 
 def _pairs(rank, world, jobs, batches):
     keep_alive = []
-    return [(_train(arch, layout, batches, True, keep_alive, **extra),
-             _train(arch, layout, batches, False, keep_alive, **extra)) for arch, layout, extra in jobs]
+    return [(recorded_run(arch, layout, batches, True, keep_alive, **extra),
+             recorded_run(arch, layout, batches, False, keep_alive, **extra)) for arch, layout, extra in jobs]
 
 
 def _check_pairs(results, jobs):
@@ -121,7 +146,7 @@ def _check_pairs(results, jobs):
 
 SINGLE = [("llama", {}, {}), ("gpt2", {}, {"recompute_granularity": "full"})]
 SINGLE_SLOW = [("gpt2", {}, {}), ("llama", {}, {"recompute_granularity": "full"}),
-               ("llama", {}, {"recompute_granularity": "selective"}), ("llama", {}, {"bf16": False, "fp16": True})]
+               ("llama", {}, {"recompute_granularity": "selective"})]
 OVERLAP = {"overlap_grad_reduce": True, "ddp_bucket_size": SMALL_BUCKETS}
 DIST = [("llama", {"tp": 2, "sp": True}, {}), ("gpt2", {"pp": 2}, {}), ("llama", {"dp": 2}, OVERLAP)]
 DIST_SLOW = [("gpt2", {"tp": 2, "sp": True}, {}), ("llama", {"tp": 2}, {}), ("llama", {"pp": 2, "vpp": 2}, {}),
@@ -148,13 +173,14 @@ def test_compiled_fusion_trains_like_eager_plain(recompute):
     counter = CompileCounterWithBackend("aot_eager")
     keep_alive, batches = [], make_batches(STEPS)
     extra = {"recompute_granularity": recompute}
-    fused = _train("llama", {}, batches, True, keep_alive, compile={"backend": counter}, **extra)
+    fused = recorded_run("llama", {}, batches, True, keep_alive, compile={"backend": counter}, **extra)
     assert counter.frame_count == 2  # one graph for the layers, one for the loss: no graph break
-    _assert_close(fused, _train("llama", {}, batches, False, keep_alive, **extra), f"compiled {recompute}")
+    _assert_close(fused, recorded_run("llama", {}, batches, False, keep_alive, **extra), f"compiled {recompute}")
 
 
 @pytest.mark.slow
-def test_inductor_compiled_fusion_trains_like_eager_plain():
-    keep_alive, batches = [], make_batches(STEPS)
-    _assert_close(_train("gpt2", {}, batches, True, keep_alive, compile=True),
-                  _train("gpt2", {}, batches, False, keep_alive), "inductor")
+def test_inductor_compiled_fusion_trains_like_compiled_plain():
+    keep_alive, batches = [], make_batches(STEPS)  # against the inductor-compiled plain run: inductor
+    # itself moves the numbers by ~1e-6 (tests/test_compile.py checks it against eager at 1e-5)
+    _assert_close(recorded_run("gpt2", {}, batches, True, keep_alive, compile=True),
+                  recorded_run("gpt2", {}, batches, False, keep_alive, compile=True), "inductor")
