@@ -1,6 +1,7 @@
 """`hf-megatron train --cross-entropy-loss-fusion --torch-compile --gradient-accumulation-fusion`: the
-speed options change how the step is computed, not what: the same losses as the plain run (fp32, CPU; compile and the chunked
-loss reorder float sums, hence rel 1e-5 and not bit equality)."""
+speed options change how the step is computed, not what: the same losses as the plain run (fp32, CPU;
+compile, the chunked loss and the fused weight-gradient GEMM reorder float sums, hence rel 1e-5 and not
+bit equality)."""
 import json
 import subprocess
 import sys

@@ -19,13 +19,14 @@ never rounded to bf16.
 
 Readiness.  The grad buffer counts a weight as ready (overlap_grad_reduce) in its
 post-accumulate-grad hook, which autograd only runs for a defined gradient.  So the fused backward
-returns a *placeholder* dW: a fresh contiguous view of one scratch buffer per (device, dtype),
-as large as the largest fused weight -- no allocation, no fill, no kernel.  Autograd's
-AccumulateGrad steals it as `p.grad` (a fresh view with the param's layout is taken, not copied),
-the hook fires, sees `is_placeholder(p.grad)` (its storage is a scratch buffer, which no real
-gradient can share) and only counts readiness and frees `p.grad`.  Megatron does the same with a
-`grad_added_to_main_grad` flag and an `empty` dummy gradient per call; here the test needs no flag
-and holds in compiled graphs, where backward runs no Python of ours except the op.
+returns a *placeholder* dW: a fresh contiguous view of one scratch buffer per (device, dtype), as
+large as the largest fused weight (allocated once, contents never read), so per call no
+allocation, no fill, no kernel.  Autograd's AccumulateGrad steals it as `p.grad` (a fresh view
+with the param's layout is taken as is, not copied), the hook fires, sees `is_placeholder(p.grad)`
+(its storage is a scratch buffer, which no real gradient can share) and only counts readiness and
+frees `p.grad`.  Megatron does the same with a `grad_added_to_main_grad` flag and a `torch.empty`
+dummy gradient per call; here the test needs no flag set in backward, so it holds in compiled
+graphs too, where backward runs no Python of ours but the op.
 
 Compile.  The GEMM is the custom op `hf_megatron::accumulate_wgrad` (torch.library) with
 `mutates_args=("main_grad",)` and main_grad an explicit input, and a fake implementation; dynamo
@@ -48,6 +49,7 @@ from torch import nn
 # (device, dtype) -> scratch buffers; the last one is current, earlier (smaller) ones are kept
 # alive so that no real gradient can ever be allocated at an address `is_placeholder` recognises
 _SCRATCH: dict[tuple, list[torch.Tensor]] = {}
+_LARGEST: dict[torch.dtype, int] = {}  # dtype -> numel of the largest fused weight: the scratch size
 _DTYPE_GEMM: dict[torch.device, bool] = {}  # device -> addmm with out_dtype=fp32 works in place
 _LAYER_PREFIX = "decoder.layers."
 
@@ -56,7 +58,8 @@ def _placeholder(weight: torch.Tensor) -> torch.Tensor:
     """A fresh view of weight's shape and dtype into the scratch buffer (contents undefined)."""
     buffers = _SCRATCH.setdefault((weight.device, weight.dtype), [])
     if not buffers or buffers[-1].numel() < weight.numel():
-        buffers.append(torch.empty(weight.numel(), dtype=weight.dtype, device=weight.device))
+        numel = max(weight.numel(), _LARGEST.get(weight.dtype, 0))
+        buffers.append(torch.empty(numel, dtype=weight.dtype, device=weight.device))
     return buffers[-1][:weight.numel()].view(weight.shape)
 
 
@@ -160,4 +163,8 @@ def apply_wgrad_fusion(model: nn.Module) -> nn.Module:
             module.gradient_accumulation_fusion = True
         elif type(module) is nn.Linear:
             module.forward = _fused_forward(module)
+        else:
+            continue
+        weight = module.weight  # shapes known already on the meta device: the scratch is sized once
+        _LARGEST[weight.dtype] = max(_LARGEST.get(weight.dtype, 0), weight.numel())
     return model
