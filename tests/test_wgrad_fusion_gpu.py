@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_wgrad_fusion import recorded_run
+from test_wgrad_fusion import fresh_dynamo, recorded_run  # noqa: F401  (fixture: no compiled-graph reuse)
 from tiny import rel_err
 from training_helpers import make_batches
 
