@@ -1,6 +1,6 @@
 """Single-GPU training throughput, transformers vs hf_megatron, eager vs torch.compile, in one run.
 
-    python bench/throughput.py --out results.json                       # 3 models x 7 variants, one H200
+    python bench/throughput.py --out results.json                       # 3 models x 8 variants, one H200
     python bench/throughput.py --models llama-1b --variants ours ours-compile
     python bench/throughput.py --device cpu --tiny                      # dry run (tiny configs, 1 step)
 
@@ -32,6 +32,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     ours-fused-ce ours-compile with the output layer + cross entropy in chunks (parallel/linear_loss.py)
     ours-float8   ours-fused-ce with the layers' linears in torchao float8: TrainingConfig(fp8_format=
                   "hybrid", fp8_recipe="tensorwise"), i.e. `train --fp8-format hybrid` (parallel/float8.py)
+    ours-wgrad-fusion  ours-compile with --gradient-accumulation-fusion: the layers' weight-gradient
+                  GEMMs accumulate into the fp32 main grads (parallel/wgrad.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -58,7 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
 
-VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8")
+VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
+            "ours-wgrad-fusion")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -154,12 +157,13 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
-              float8: bool = False, fused_loss: bool = False):
+              float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0,
-                         fp8_format="hybrid" if float8 else None)
+                         fp8_format="hybrid" if float8 else None,
+                         gradient_accumulation_fusion=wgrad_fusion)
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -184,7 +188,7 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
     if variant.startswith("hf"):
         return hf_step(spec, device, variant == "hf-compile", compile_mode, ids, lr=lr, liger=variant == "hf-liger")
     return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8",
-                     fused_loss=variant in ("ours-fused-ce", "ours-float8"))
+                     fused_loss=variant in ("ours-fused-ce", "ours-float8"), wgrad_fusion=variant == "ours-wgrad-fusion")
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:

@@ -5,6 +5,7 @@
     chunk = split_module(whole, index, pp * vpp, layers_per_stage)   # this chunk's layers only
     parallelize(chunk, plan_for(config), tp_group, sequence_parallel)  # this rank's shards
     apply_float8(chunk, *fp8)                                         # if fp8=(format, recipe)
+    apply_wgrad_fusion(chunk)                                         # if gradient_accumulation_fusion
     apply_compile(chunk)                                              # if compile=True: per layer
     apply_recompute(chunk, recompute)                                 # (checkpoint wraps compiled)
     chunk.to_empty(device=device); load weights                       # pretrained or Megatron init
@@ -38,6 +39,7 @@ from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
 from .parallel.recompute import apply_recompute
 from .parallel.sharding import load_full_weights
+from .parallel.wgrad import apply_wgrad_fusion
 
 _GRID = object()  # default tensor-parallel group: the one of the process's rank grid
 
@@ -86,7 +88,8 @@ def materialise(model: nn.Module, device) -> None:
 def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_stage: list[int] | None = None,
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
                 compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
-                init: bool = True, fused_loss: bool = False, fp8: tuple[str, str] | None = None) -> GPTModel:
+                init: bool = True, fused_loss: bool = False, fp8: tuple[str, str] | None = None,
+                gradient_accumulation_fusion: bool = False) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
@@ -96,7 +99,10 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     (`parallel.compile.apply_compile`), inside any recompute.  `fused_loss=True` computes the output
     layer and the cross entropy in chunks on the training path (`parallel.linear_loss`): no whole
     [tokens, vocab] logits.  `fp8=(format, recipe)`, e.g. ("hybrid", "tensorwise"): the layers'
-    linears in torchao float8 (`parallel.float8`; CUDA only, tp 1), swapped in before compile."""
+    linears in torchao float8 (`parallel.float8`; CUDA only, tp 1), swapped in before compile.
+    `gradient_accumulation_fusion=True` makes the transformer layers'
+    linears accumulate their weight gradients into the optimizer's fp32 main grads inside the
+    GEMM (`parallel.wgrad`)."""
     if isinstance(source, ModelConfig):
         config, get = source, None
     else:
@@ -114,6 +120,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
         apply_fused_linear_loss(model)  # output layer + loss in chunks (parallel/linear_loss.py)
     if fp8 is not None:  # on meta, before materialising: a bad setup fails before any weight is read
         apply_float8(model, *fp8, device=device or "cpu")
+    if gradient_accumulation_fusion:
+        apply_wgrad_fusion(model)  # after float8 (its linears stay unfused), before compile
     if compile:
         # before recompute: the checkpoint must wrap the compiled layer (see parallel/compile.py)
         apply_compile(model, **(compile if isinstance(compile, dict) else {}))

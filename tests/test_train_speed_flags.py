@@ -1,6 +1,7 @@
-"""`hf-megatron train --cross-entropy-loss-fusion --torch-compile`: the speed options change how the
-step is computed, not what: the same losses as the plain run (fp32, CPU; compile and the chunked
-loss reorder float sums, hence rel 1e-5 and not bit equality)."""
+"""`hf-megatron train --cross-entropy-loss-fusion --torch-compile --gradient-accumulation-fusion`: the
+speed options change how the step is computed, not what: the same losses as the plain run (fp32, CPU;
+compile, the chunked loss and the fused weight-gradient GEMM reorder float sums, hence rel 1e-5 and not
+bit equality)."""
 import json
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def test_speed_flags_train_the_same_losses(tmp_path):
     tiny_config("llama").save_pretrained(tmp_path / "config")
     plain = _train(tmp_path, tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr[-2000:]
-    fast = _train(tmp_path, tmp_path / "fast", "--cross-entropy-loss-fusion", "--torch-compile")
+    fast = _train(tmp_path, tmp_path / "fast", "--cross-entropy-loss-fusion", "--torch-compile",
+                  "--gradient-accumulation-fusion")
     assert fast.returncode == 0, fast.stderr[-2000:]
     a = json.loads((tmp_path / "plain" / "training_summary.json").read_text())
     b = json.loads((tmp_path / "fast" / "training_summary.json").read_text())

@@ -52,6 +52,9 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
                 if not required and f.default is not None and "(default" not in meta["help"]:
                     kwargs["help"] += f" (default: {f.default})"
             groups[meta["group"]].add_argument(*meta.get("aliases", ()), flag_of(f.name), **kwargs)
+            if meta.get("off_switch"):  # Megatron-LM's negative spelling of a switch: sets it False
+                groups[meta["group"]].add_argument(meta["off_switch"], dest=f.name, action="store_false",
+                                                   default=False, help=f"turn {flag_of(f.name)} off (the default)")
 
 
 def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:

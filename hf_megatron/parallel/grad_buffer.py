@@ -14,6 +14,8 @@ sharded the same way (Megatron's rule for the shared embedding).
 Accumulation.  A post-accumulate-grad hook adds each micro batch's `p.grad` into `p.main_grad`
 and frees `p.grad`, so   main_grad = sum_m g_m   over this rank's micro batches, in fp32 (the
 loss was already scaled by 1 / N_global, see training/trainer.py, so no averaging follows).
+With `--gradient-accumulation-fusion` (parallel/wgrad.py) a fused weight's GEMM has already
+accumulated into main_grad and `p.grad` is a placeholder: the hook only counts and frees it.
 
 Reduction over the dp group, SUM:  `all_reduce` of the bucket, or with the distributed optimizer
 `reduce_scatter`: dp rank r receives shard r of the summed bucket; the other elements keep this
@@ -39,6 +41,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from .wgrad import is_placeholder
 
 ALIGN = 64  # elements: param starts and bucket sizes stay 256-byte aligned (vectorised kernels)
 DEFAULT_BUCKET_SIZE = 40_000_000  # Megatron: max(40M, 1M x dp) elements
@@ -158,7 +162,8 @@ class GradBuffer:
         if bucket.launched and self._left:  # counting: this bucket's sum is (being) reduced already
             raise RuntimeError("GradBuffer: a gradient arrived after its bucket's dp reduction started "
                                "(a param used more than once per micro batch outside one autograd graph?)")
-        p.main_grad.add_(p.grad)
+        if not is_placeholder(p.grad):  # fused wgrad: the GEMM already accumulated into main_grad
+            p.main_grad.add_(p.grad)
         p.grad = None
         left = self._left.get(id(p))
         if left is not None:

@@ -8,6 +8,8 @@ ColumnParallelLinear:  Y = X A^T + b,  A split by output rows: rank r holds A_r 
     [out/p, in]) and b_r and computes Y_r = X A_r^T + b_r.  Its input is replicated
     (copy_to_tp: backward all-reduces dX) or, with sequence parallelism, all-gathered along the
     sequence first (backward reduce-scatters).
+    With `gradient_accumulation_fusion` (set by `wgrad.apply_wgrad_fusion`) both linears
+    accumulate dA_r = dY_r^T X straight into A_r's fp32 main_grad (X: the gathered input).
 RowParallelLinear:  Y = X A^T + b,  A split by input columns: rank r holds A_r (weight
     [out, in/p]) and computes X_r A_r^T; the partial sums are all-reduced (or reduce-scattered
     along the sequence); the replicated bias is added once, after the reduction.
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import comm, wgrad
 from .sharding import pad_vocab, shard_tensor
 
 
@@ -37,6 +39,7 @@ class ColumnParallelLinear(nn.Linear):
     def __init__(self, linear: nn.Linear, group, parts: int = 1, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.gradient_accumulation_fusion = False
         self.in_features = linear.in_features
         self.weight = _param(linear.weight, "column", parts, group, linear.weight.requires_grad)
         self.out_features = self.weight.shape[0]
@@ -48,13 +51,14 @@ class ColumnParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = comm.column_input(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return (wgrad.linear if self.gradient_accumulation_fusion else F.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
     def __init__(self, linear: nn.Linear, group, sequence_parallel: bool = False):
         nn.Module.__init__(self)
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.gradient_accumulation_fusion = False
         self.out_features = linear.out_features
         self.weight = _param(linear.weight, "row", 1, group, linear.weight.requires_grad)
         self.in_features = self.weight.shape[1]
@@ -66,7 +70,7 @@ class RowParallelLinear(nn.Linear):
             self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = (wgrad.linear if self.gradient_accumulation_fusion else F.linear)(x, self.weight)
         y = comm.sp_reduce_scatter(y, self.group) if self.sequence_parallel else comm.reduce_from_tp(y, self.group)
         return y + self.bias if self.bias is not None else y
 

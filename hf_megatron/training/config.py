@@ -31,15 +31,16 @@ BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below"
 
 def option(default: Any = MISSING, *, help: str, group: str, choices: tuple | None = None,
            at_least: float | None = None, above: float | None = None, below: float | None = None,
-           cli_required: bool = False, aliases: tuple[str, ...] = ()):
+           cli_required: bool = False, aliases: tuple[str, ...] = (), off_switch: str | None = None):
     """A dataclass field with what the CLI and the checks need to know about it.
 
     `at_least` / `above` / `below`: bounds (>=, >, <) checked by `check_fields`; None values are
     not checked (they mean "unset").  `cli_required`: the flag must be given on the command line
     even though Python callers get the default.  `aliases`: more flag spellings (Megatron-LM's own,
-    e.g. --override-opt_param-scheduler)."""
+    e.g. --override-opt_param-scheduler).  `off_switch`: a bool's Megatron-LM flag that turns it off
+    (e.g. --no-gradient-accumulation-fusion), accepted so Megatron-LM command lines run unchanged."""
     metadata = {"help": help, "group": group, "choices": choices, "at_least": at_least, "above": above,
-                "below": below, "cli_required": cli_required, "aliases": aliases}
+                "below": below, "cli_required": cli_required, "aliases": aliases, "off_switch": off_switch}
     return field(default=default, metadata=metadata)
 
 
@@ -149,6 +150,10 @@ class TrainingConfig:
         "tensorwise", group="speed", choices=FP8_RECIPES,
         help="with --fp8-format: tensorwise = one dynamic scale per tensor; rowwise = one per row (e4m3 only); "
              "Megatron-LM's delayed / mxfp8 / blockwise are Transformer Engine recipes torchao does not have")
+    gradient_accumulation_fusion: bool = option(
+        False, group="speed", off_switch="--no-gradient-accumulation-fusion", help="accumulate each transformer-layer linear's weight gradient straight into its fp32 "
+                                   "main grad inside the weight-gradient GEMM (parallel/wgrad.py); Megatron-LM has "
+                                   "it on unless --no-gradient-accumulation-fusion, here off until measured")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

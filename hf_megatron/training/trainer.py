@@ -56,6 +56,7 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
     if cfg.fp8_format is not None:
         gpt_kwargs.setdefault("fp8", (cfg.fp8_format, cfg.fp8_recipe))
+    gpt_kwargs.setdefault("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion)
     return build_model_chunks(
         source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
         sequence_parallel=cfg.sequence_parallel, recompute=cfg.recompute_granularity,
