@@ -63,7 +63,7 @@ ODD = {"llama": dict(hidden_size=96, intermediate_size=203, num_attention_heads=
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_bf16_training_fused_vs_unfused_main_grads(arch, compile):
     keep_alive, batches = [], make_batches(2)
-    runs = [recorded_run(arch, {}, batches, fusion, keep_alive, compile=compile and fusion, device="cuda",
+    runs = [recorded_run(arch, {}, batches, fusion, keep_alive, compile=compile, device="cuda",
                          hf_overrides=ODD[arch], bf16=True) for fusion in (True, False)]
     fused, plain = runs
     assert fused["fused_modules"] > 0 and plain["fused_modules"] == 0
