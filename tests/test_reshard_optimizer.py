@@ -119,6 +119,7 @@ CASES = [  # (source layout, target layout, architecture)
     ({"dp": 2, "distributed": True}, {}, "llama"),
     ({}, {"dp": 2, "distributed": True}, "llama"),
     ({"tp": 2}, {"pp": 2, "dp": 2, "distributed": True}, "gpt2"),  # tied embeddings; dp2 distributed at the end
+    ({"pp": 2}, {"tp": 2}, "gpt2"),  # tied: the source's last-stage copy is left, the embedding read
     ({}, {"pp": 2, "vpp": 2}, "llama4"),  # virtual pipeline chunks, both ways
     ({"pp": 2, "vpp": 2}, {"tp": 2}, "llama4"),
 ]
@@ -197,3 +198,30 @@ def test_bad_sources_are_one_line_errors(workspace, tmp_path):
     line = _reshard_error("--src", bent, "--out", tmp_path / "z", "--tp", 2, "--no-checkpoint-checksums")
     assert "stored as float32 but args say bfloat16" in line
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
+
+
+def test_a_flat_optimizer_entry_reshards_as_the_nested_one(workspace, tmp_path):
+    """The optimizer entry with torch's {state, param_groups} at its top level (instead of nested
+    under "optimizer") and main weights per param group gives the same resharded state."""
+    import shutil
+    source, _ = reference(workspace, "ref_1_1", {})
+    flat = tmp_path / "flat"
+    shutil.copytree(source, flat)
+    rank_file = flat / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    payload = safe_load(rank_file)
+    entry = payload["optimizer"]
+    payload["optimizer"] = {**entry["optimizer"], "grad_scaler": entry["grad_scaler"],
+                            "fp32_from_fp16_params": [[] for _ in entry["optimizer"]["param_groups"]]}
+    torch.save(payload, rank_file)
+    for src, out in ((source, tmp_path / "nested_tp2"), (flat, tmp_path / "flat_tp2")):
+        assert cli.main(["reshard", "--src", str(src / f"iter_{SAVE_AT:07d}"), "--out", str(out), "--tp", "2",
+                         "--with-optimizer", "--no-checkpoint-checksums"]) == 0
+    for t in range(2):
+        rank = f"iter_{SAVE_AT:07d}/mp_rank_{t:02d}"
+        nested, flat_state = (safe_load(tmp_path / f"{kind}_tp2" / rank / "distrib_optim.pt") for kind in ("nested", "flat"))
+        assert nested["numels"] == flat_state["numels"] and nested["step"] == flat_state["step"] == SAVE_AT
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(nested[key], flat_state[key]), key
+        written = safe_load(tmp_path / "flat_tp2" / rank / "model_optim_rng.pt")["optimizer"]
+        assert written["state"] == {} and "fp32_from_fp16_params" not in written
+        assert sum(len(g["params"]) for g in written["param_groups"]) == len(nested["numels"])

@@ -91,7 +91,8 @@ def as_full_state(entry: dict) -> dict:
 def stripped_entry(entry: dict, group_sizes: list[int], where: Path) -> dict:
     """The entry without per-param state ("state" emptied, main weights dropped: they are in
     distrib_optim.pt), its param groups renumbered for a rank with `group_sizes` params."""
-    out = copy.deepcopy({k: v for k, v in entry.items() if k not in ("fp32_from_fp16_params", "optimizer")})
+    per_param = ("fp32_from_fp16_params", "optimizer", "state", "param_groups")  # not deep-copied: replaced
+    out = copy.deepcopy({k: v for k, v in entry.items() if k not in per_param})
     inner = _inner(entry)
     groups = inner.get("param_groups")
     if not isinstance(groups, list) or len(groups) != len(group_sizes):
@@ -100,12 +101,11 @@ def stripped_entry(entry: dict, group_sizes: list[int], where: Path) -> dict:
     starts = torch.tensor([0, *group_sizes]).cumsum(0).tolist()
     renumbered = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
                    "params": list(range(starts[i], starts[i + 1]))} for i, g in enumerate(groups)]
-    fresh = {**{k: copy.deepcopy(v) for k, v in inner.items() if k not in ("state", "param_groups")},
-             "state": {}, "param_groups": renumbered}
     if inner is entry:
-        out.update(fresh)
+        out.update(state={}, param_groups=renumbered)
     else:
-        out["optimizer"] = fresh
+        out["optimizer"] = {**{k: copy.deepcopy(v) for k, v in inner.items() if k not in ("state", "param_groups")},
+                            "state": {}, "param_groups": renumbered}
     return out
 
 
