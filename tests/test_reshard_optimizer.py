@@ -186,8 +186,9 @@ def test_bad_sources_are_one_line_errors(workspace, tmp_path):
     reshard(source / f"iter_{SAVE_AT:07d}", weights_only, 1, 1)
     line = _reshard_error("--src", weights_only, "--out", tmp_path / "x", "--tp", 2)
     assert "model_optim_rng.pt" in line and "no optimizer entry" in line
-    line = _reshard_error("--src", source, "--out", tmp_path / "y", "--ckpt-format", "torch_dist")
-    assert "--ckpt-format torch_dist" in line
+    for flag in (["--ckpt-format", "torch_dist"], ["--legacy-names"]):
+        line = _reshard_error("--src", source, "--out", tmp_path / "y", *flag)
+        assert "leave --ckpt-format torch_dist and --legacy-names out" in line
     # weights stored in another dtype than the args' precision flags
     bent = tmp_path / "bent"
     reshard(source / f"iter_{SAVE_AT:07d}", bent, 1, 1, "--with-optimizer")

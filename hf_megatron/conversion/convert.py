@@ -174,9 +174,9 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
     a layer above this one), with `args` (run args to keep), `rank_entries(tp_rank, stage)`
     (entries of that rank file) and `write(iter_dir)` (its other files)."""
     check_output_format(ckpt_format, legacy_names, vpp)
-    if training_state is not None and ckpt_format != "torch":
-        raise ConfigError("--with-optimizer writes the torch format (mp_rank_* files with distrib_optim.pt); "
-                          "leave --ckpt-format torch_dist out")
+    if training_state is not None and (ckpt_format != "torch" or legacy_names):
+        raise ConfigError("--with-optimizer writes the torch format with megatron-core names (what training "
+                          "resumes from); leave --ckpt-format torch_dist and --legacy-names out")
     ckpt = open_megatron(src)
     carry = training_state(ckpt, tp, pp, vpp) if training_state is not None else None
     names = ckpt.names()

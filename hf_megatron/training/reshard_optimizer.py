@@ -260,7 +260,9 @@ class ResumableReshard:
                     p = self.ckpt.locate(src)[0]
                     for key in STATE_KEYS:
                         full = merge_tensor(src, [cache[(t, p)][src][key] for t in range(self.ckpt.tp)], self.config)
-                        flat[key].append(split_tensor(src, full, self.config, self.tp)[tp_rank].reshape(-1).float())
+                        shard = split_tensor(src, full, self.config, self.tp)[tp_rank]
+                        # a copy: a view would keep the whole merged tensor alive until the rank is written
+                        flat[key].append(shard.reshape(-1).float().clone())
                 state = {"numels": [t.numel() for t in flat["param"]], "step": self.source.step or 0,
                          **{k: torch.cat(v) if v else torch.zeros(0) for k, v in flat.items()}}
                 save_atomic(state, iter_dir / rank_dir_name(tp_rank, stage, self.pp) / DISTRIB_OPTIM_FILE)
