@@ -19,9 +19,9 @@ MixedPrecisionOptimizer steps them in), never from the file.
 Output, per target rank: distrib_optim.pt (loads into either optimizer at any dp), and in
 model_optim_rng.pt the source's optimizer entry without per-param state (param groups renumbered
 for the rank, loss scaler), the LR scheduler, RNG (reshard_rng.py) and the data position.
-Memory: the source ranks one target pipeline stage reads (mmap where the file allows), plus
-one full tensor at a time.  Only Megatron's two default param groups are understood (what
-`hf-megatron train` builds); other groupings are refused.
+Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one
+target rank's flat state, and one full tensor at a time.  Only Megatron's two default param
+groups are understood (what `hf-megatron train` builds); other groupings are refused.
 """
 from __future__ import annotations
 
