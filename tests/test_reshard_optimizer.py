@@ -226,3 +226,19 @@ def test_a_flat_optimizer_entry_reshards_as_the_nested_one(workspace, tmp_path):
         written = safe_load(tmp_path / "flat_tp2" / rank / "model_optim_rng.pt")["optimizer"]
         assert written["state"] == {} and "fp32_from_fp16_params" not in written
         assert sum(len(g["params"]) for g in written["param_groups"]) == len(nested["numels"])
+
+
+def test_a_full_state_with_other_param_groups_is_refused(workspace, tmp_path):
+    import shutil
+    source, _ = reference(workspace, "ref_1_1", {})
+    merged = tmp_path / "one_group"
+    shutil.copytree(source, merged)
+    rank_file = merged / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    payload = safe_load(rank_file)
+    groups = payload["optimizer"]["optimizer"]["param_groups"]
+    payload["optimizer"]["optimizer"]["param_groups"] = [{**groups[0], "params": [i for g in groups for i in g["params"]]}]
+    torch.save(payload, rank_file)
+    line = _reshard_error("--src", merged / f"iter_{SAVE_AT:07d}", "--out", tmp_path / "x", "--tp", 2,
+                          "--no-checkpoint-checksums")
+    assert str(rank_file) in line and "optimizer entry has 1 param groups, the resharded rank has 2" in line
+    assert not (tmp_path / "x").exists()
