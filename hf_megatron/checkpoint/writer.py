@@ -111,9 +111,10 @@ def chunk_state(source: Source, config, tp: int, tp_rank: int, layers: range,
 
 def write_megatron(iter_dir: Path, config, source: Source, tp: int, pp: int, vpp: int | None = None,
                    iteration: int | str = "release", args: dict | None = None, extra: dict | None = None,
-                   legacy_names: bool = False) -> None:
+                   legacy_names: bool = False, rank_extra: Callable[[int, int], dict] | None = None) -> None:
     """Write every rank's model_optim_rng.pt under `iter_dir` (no tracker file: caller's job).
-    `legacy_names`: model entries in the nested `language_model.*` layout (legacy.mcore_to_legacy)."""
+    `legacy_names`: model entries in the nested `language_model.*` layout (legacy.mcore_to_legacy).
+    `rank_extra(tp_rank, stage)`: entries of that rank's file only (e.g. its optimizer entry)."""
     if legacy_names:
         if config.qk_layernorm:
             raise ParallelConfigError("--legacy-names: legacy Megatron models have no q/k layernorm (Qwen3)")
@@ -132,6 +133,7 @@ def write_megatron(iter_dir: Path, config, source: Source, tp: int, pp: int, vpp
                                            iteration=0 if iteration == "release" else iteration)
             if legacy_names:
                 states = [mcore_to_legacy(chunk) for chunk in states]
+            own = rank_extra(tp_rank, stage) if rank_extra is not None else {}
             write_rank_file(iter_dir / rank_dir_name(tp_rank, stage, pp),
-                            rank_payload(states, megatron_args, iteration, extra))
+                            rank_payload(states, megatron_args, iteration, {**(extra or {}), **own}))
             del states

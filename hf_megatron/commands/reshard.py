@@ -1,9 +1,20 @@
 """`hf-megatron reshard`: re-split a Megatron checkpoint to another TP / PP layout, without HF.
 
     hf-megatron reshard --src ckpt_tp2_pp2/ --out ckpt_tp4/ --tp 4 --pp 1 --verify
+    hf-megatron reshard --src run/ --out run_tp1_pp2/ --tp 1 --pp 2 --with-optimizer
 
-Model weights only: optimizer state is not carried over (restart the optimizer, or reshard
-before training starts).  The iteration number and tokenizer files are kept.
+Model weights only by default: the optimizer restarts (resume with --no-load-optim, or fine-tune).
+The iteration number and tokenizer files are kept.
+
+--with-optimizer also carries a training checkpoint's optimizer state: fp32 main weights and
+Adam moments split exactly like their weights (vocab padding, QKV / gate-up interleaving, tied
+embeddings on the last stage), the step, param groups and loss scaler, the LR scheduler, the
+data position (consumed samples) and the run's args; `hf-megatron train --load OUT` at the new
+tp/pp (any dp, with or without --use-distributed-optimizer) then continues with the losses the
+unresharded run has.  Each rank folder gets distrib_optim.pt (Megatron-LM's distributed-optimizer
+file, readable by either optimizer).  RNG: a rank (t, p) that exists in both layouts keeps its
+streams; default streams of a new pipeline stage and the tensor-parallel stream of a new tp
+rank are seeded as a fresh run at the new layout seeds them (seed from the checkpoint's args).
 """
 from __future__ import annotations
 
@@ -21,6 +32,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
+    parser.add_argument("--with-optimizer", action="store_true",
+                        help="also carry optimizer state, LR scheduler, RNG and data position, so that training "
+                             "resumes at the new layout (torch format only; RNG policy: see above)")
     add_checksum_flag(parser)
     add_output_format_flags(parser)
     parser.set_defaults(func=run)
@@ -30,6 +44,9 @@ def run(args) -> int:
     from hf_megatron.commands.convert import _print_report, apply_checksum_flag
     apply_checksum_flag(args)
     from hf_megatron.conversion.convert import reshard
+    carrier = None
+    if args.with_optimizer:
+        from hf_megatron.training.reshard_optimizer import ResumableReshard as carrier
     _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify, args.ckpt_format,
-                          args.legacy_names))
+                          args.legacy_names, training_state=carrier))
     return 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,11 +57,12 @@ def check_output_format(ckpt_format: str, legacy_names: bool, vpp: int | None) -
 
 
 def _write_output(iter_dir: Path, config, source, tp: int, pp: int, vpp: int | None, iteration, args: dict,
-                  extra: dict | None, ckpt_format: str, legacy_names: bool) -> None:
+                  extra: dict | None, ckpt_format: str, legacy_names: bool, rank_extra=None) -> None:
     if ckpt_format == "torch_dist":
         write_torch_dist(iter_dir, config, source, tp, pp, iteration, args)
     else:
-        write_megatron(iter_dir, config, source, tp, pp, vpp, iteration, args, extra, legacy_names=legacy_names)
+        write_megatron(iter_dir, config, source, tp, pp, vpp, iteration, args, extra, legacy_names=legacy_names,
+                       rank_extra=rank_extra)
 
 
 def _carry_tokenizer(source: Path, tokenizer_dir: Path) -> list[str]:
@@ -165,11 +166,19 @@ def training_info(ckpt) -> dict[str, Any]:
 
 
 def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int = 1, vpp: int | None = None,
-            verify: bool = False, ckpt_format: str = "torch", legacy_names: bool = False) -> dict[str, Any]:
-    """Re-split model weights to a new layout (optimizer state is not carried over); the output
-    in Megatron's torch format (optionally with legacy names) or torch_dist."""
+            verify: bool = False, ckpt_format: str = "torch", legacy_names: bool = False,
+            training_state: Callable | None = None) -> dict[str, Any]:
+    """Re-split model weights to a new layout; the output in Megatron's torch format (optionally
+    with legacy names) or torch_dist.  Weights only, unless `training_state(ckpt, tp, pp, vpp)`
+    is given: the carrier of optimizer, scheduler and RNG state (training/reshard_optimizer.py,
+    a layer above this one), with `args` (run args to keep), `rank_entries(tp_rank, stage)`
+    (entries of that rank file) and `write(iter_dir)` (its other files)."""
     check_output_format(ckpt_format, legacy_names, vpp)
+    if training_state is not None and (ckpt_format != "torch" or legacy_names):
+        raise ConfigError("--with-optimizer writes the torch format with megatron-core names (what training "
+                          "resumes from); leave --ckpt-format torch_dist and --legacy-names out")
     ckpt = open_megatron(src)
+    carry = training_state(ckpt, tp, pp, vpp) if training_state is not None else None
     names = ckpt.names()
 
     def source(layers):
@@ -189,10 +198,15 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
         keep["tokenizer"] = {k: getattr(ckpt.args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file",
                                                                  "merge_file") if getattr(ckpt.args, k, None)} \
             or keep["tokenizer"]
+    if carry is not None:
+        keep = {**carry.args, **keep}
     report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp, "iteration": ckpt.iteration}
     with StagingDir(out) as staging:
-        _write_output(staging.path / iter_dir_name(ckpt.iteration), ckpt.config, source, tp, pp, vpp,
-                      ckpt.iteration, keep, extra, ckpt_format, legacy_names)
+        iter_dir = staging.path / iter_dir_name(ckpt.iteration)
+        _write_output(iter_dir, ckpt.config, source, tp, pp, vpp, ckpt.iteration, keep, extra, ckpt_format,
+                      legacy_names, rank_extra=carry.rank_entries if carry is not None else None)
+        if carry is not None:
+            report["optimizer"] = carry.write(iter_dir)
         _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
         _finish_megatron(staging, ckpt.iteration)
         if verify:

@@ -1,0 +1,270 @@
+"""Optimizer state across a layout change: `hf-megatron reshard --with-optimizer`.
+
+A training checkpoint's optimizer state is, per model-parallel rank (t, p), a parameter state
+(optimizer_state.py): fp32 main weights and Adam moments, flat over that rank's params in the
+optimizer's `model_params` order, plus the step.  Each source rank's state (distrib_optim.pt as
+is; the former ZeRO-1 files or a full state in model_optim_rng.pt through
+`parameter_state_from`) is cut back into named per-param tensors shaped like that rank's weight
+shards; then every key X in (param, exp_avg, exp_avg_sq) is moved exactly as the weights are:
+
+    X_full(name) = merge_tensor(name, [X_t(name) for source tp ranks t])   (vocab padding cut)
+    X_target     = split_tensor(name, X_full, config, tp)[target tp rank]   (padding rows: 0)
+
+(QKV per query group, SwiGLU [gate_r; up_r], vocab rows, row/column dims: parallel/sharding.py;
+a last stage's copy of tied embeddings takes the embedding's state, as its weight does).
+Adam is elementwise, so moments split like their weights resume the same steps.  The order of
+params on either side comes from a meta-device model of that layout (`param_groups`, the order
+MixedPrecisionOptimizer steps them in), never from the file.
+
+Output, per target rank: distrib_optim.pt (loads into either optimizer at any dp), and in
+model_optim_rng.pt the source's optimizer entry without per-param state (param groups renumbered
+for the rank, loss scaler), the LR scheduler, RNG (reshard_rng.py) and the data position.
+Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one
+target rank's flat state, and one full tensor at a time.  Only Megatron's two default param
+groups are understood (what `hf-megatron train` builds); other groupings are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint.args import FIELDS
+from ..checkpoint.files import MODEL_FILE, rank_dir_name, save_atomic
+from ..checkpoint.mcore import MegatronCheckpoint
+from ..checkpoint.names import layer_index, to_stage_global
+from ..checkpoint.unpickle import safe_load
+from ..errors import CheckpointError
+from ..loading import build_model
+from ..parallel.sharding import merge_tensor, split_tensor
+from .checkpoint import DISTRIB_OPTIM_FILE
+from .optimizer import param_groups
+from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
+from .reshard_rng import first_entry, resharded_rng_entry
+
+STATE_KEYS = ("param", *MOMENTS)
+TIED_COPY = "output_layer.weight"
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+# ------------------------------------------------------------------ param order of a layout
+
+def stage_param_order(config, pp: int, vpp: int, stage: int, layers_per_chunk: list[int] | None = None
+                      ) -> tuple[list[str], list[int], list]:
+    """(names in `model_params` order, size of each param group, the meta chunks) of pipeline
+    stage `stage`.  Built at tp=1: tensor parallelism changes shapes, not names or order."""
+    chunks = [build_model(config, stage=v * pp + stage, num_stages=pp * vpp, layers_per_stage=layers_per_chunk,
+                          tp_group=None, device="meta", init=False) for v in range(vpp)]
+    name_of = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
+    groups = param_groups(chunks, weight_decay=0.0)
+    return [name_of[id(p)] for g in groups for p in g["params"]], [len(g["params"]) for g in groups], chunks
+
+
+def source_name(config, chunks, name: str) -> str:
+    """The full tensor a target param is cut from (a last stage's tied copy: the embedding)."""
+    tied_copy = config.tie_word_embeddings and name == TIED_COPY and not any(c.pre_process for c in chunks)
+    return EMBEDDING if tied_copy else name
+
+
+# ------------------------------------------------------------------ optimizer entries
+
+def _inner(entry: dict) -> dict:
+    """The torch-optimizer part ({state, param_groups}) of an optimizer entry: ours nests it under
+    "optimizer" (Megatron-LM's layout); a flat entry holds it at the top level."""
+    nested = entry.get("optimizer")
+    return nested if isinstance(nested, dict) and "param_groups" in nested else entry
+
+
+def as_full_state(entry: dict) -> dict:
+    """An optimizer entry in the nesting `parameter_state_from` reads ({"optimizer": {...},
+    "fp32_from_fp16_params": flat list}); Megatron-LM's per-group lists of main weights flattened
+    (groups run in `model_params` order)."""
+    halves = entry.get("fp32_from_fp16_params", [])
+    if halves and isinstance(halves[0], (list, tuple)):
+        halves = [t for group in halves for t in group]
+    return {**entry, "optimizer": _inner(entry), "fp32_from_fp16_params": halves}
+
+
+def stripped_entry(entry: dict, group_sizes: list[int], where: Path) -> dict:
+    """The entry without per-param state ("state" emptied, main weights dropped: they are in
+    distrib_optim.pt), its param groups renumbered for a rank with `group_sizes` params."""
+    per_param = ("fp32_from_fp16_params", "optimizer", "state", "param_groups")  # not deep-copied: replaced
+    out = copy.deepcopy({k: v for k, v in entry.items() if k not in per_param})
+    inner = _inner(entry)
+    groups = inner.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(group_sizes):
+        raise CheckpointError(f"{where}: optimizer entry has {len(groups) if isinstance(groups, list) else 'no'} param "
+                              f"groups, the resharded rank has {len(group_sizes)} (Megatron's decay / no-decay groups)")
+    starts = torch.tensor([0, *group_sizes]).cumsum(0).tolist()
+    renumbered = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+                   "params": list(range(starts[i], starts[i + 1]))} for i, g in enumerate(groups)]
+    if inner is entry:
+        out.update(state={}, param_groups=renumbered)
+    else:
+        out["optimizer"] = {**{k: copy.deepcopy(v) for k, v in inner.items() if k not in ("state", "param_groups")},
+                            "state": {}, "param_groups": renumbered}
+    return out
+
+
+# ------------------------------------------------------------------ source ranks
+
+def _layers_per_chunk(ckpt: MegatronCheckpoint) -> list[int]:
+    """Layers of each source model chunk c = v * pp + p, from where the reader found them."""
+    counts = [set() for _ in range(ckpt.pp * ckpt.vpp)]
+    for name, (p, v, _) in ckpt.where.items():
+        if (index := layer_index(name)) is not None:
+            counts[v * ckpt.pp + p].add(index)
+    return [len(c) for c in counts]
+
+
+class SourceOptimizer:
+    """Named per-param optimizer state of the source checkpoint's ranks."""
+
+    def __init__(self, ckpt: MegatronCheckpoint) -> None:
+        self.ckpt, self.config = ckpt, ckpt.config
+        self.layers_per_chunk = _layers_per_chunk(ckpt)
+        self.step: int | None = None
+
+    def file(self, tp_rank: int, stage: int) -> Path:
+        return self.ckpt.folder / rank_dir_name(tp_rank, stage, self.ckpt.pp) / MODEL_FILE
+
+    def payload(self, tp_rank: int, stage: int) -> dict:
+        return safe_load(self.file(tp_rank, stage), mmap=True)
+
+    def rank_state(self, tp_rank: int, stage: int) -> dict[str, dict[str, torch.Tensor]]:
+        """{global param name: {param, exp_avg, exp_avg_sq}} of source rank (tp_rank, stage)."""
+        path = self.file(tp_rank, stage)
+        names, group_sizes, chunks = stage_param_order(self.config, self.ckpt.pp, self.ckpt.vpp, stage,
+                                                       self.layers_per_chunk)
+        weights = {}
+        for chunk, state in zip(chunks, self.ckpt.rank_state(tp_rank, stage)):
+            weights.update(to_stage_global(state, chunk.layer_numbers))
+        missing = [n for n in names if n not in weights]
+        if missing:
+            raise CheckpointError(f"{path}: weights {missing[:3]} of the optimizer's params are missing")
+        model_params = [weights[n] for n in names]
+        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes)
+        step = int(ps["step"])
+        if self.step is not None and step != self.step:
+            raise CheckpointError(f"{path}: optimizer step {step}, other ranks' is {self.step}")
+        self.step = step
+        out, at = {}, 0
+        for name, weight in zip(names, model_params):
+            out[name] = {k: ps[k][at:at + weight.numel()].view(weight.shape) for k in STATE_KEYS}
+            at += weight.numel()
+        return out
+
+    @staticmethod
+    def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int]) -> dict:
+        folder = path.parent
+        zero1 = sorted(folder.glob("optim_dp_*.pt"))
+        try:
+            if (folder / DISTRIB_OPTIM_FILE).is_file():
+                ps = safe_load(folder / DISTRIB_OPTIM_FILE, mmap=True)
+                check_parameter_state(ps, model_params)
+                return ps
+            if zero1:
+                return parameter_state_from([as_full_state(safe_load(f)["optimizer"]) for f in zero1], model_params)
+            entry = payload.get("optimizer")
+            if not isinstance(entry, dict):
+                raise CheckpointError("holds no optimizer state (a converted or weights-only checkpoint); "
+                                      "--with-optimizer needs a training checkpoint saved with its optimizer")
+            full = as_full_state(entry)
+            saved = [len(g.get("params", ())) for g in full["optimizer"].get("param_groups", [])]
+            if saved != group_sizes:
+                raise CheckpointError(f"optimizer param groups of {saved} params, the model's default groups have "
+                                      f"{group_sizes} (custom param groups cannot be resharded)")
+            return parameter_state_from([full], model_params)
+        except CheckpointError as exc:
+            message = str(exc)
+            raise CheckpointError(message if message.startswith(str(folder)) else f"{path}: {message}") from None
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an entry not shaped as written
+            raise CheckpointError(f"{path}: optimizer state not in the expected layout ({exc!r})") from None
+
+
+# ------------------------------------------------------------------ target ranks
+
+class ResumableReshard:
+    """What `conversion.convert.reshard` asks of a training-state carrier (see its docstring)."""
+
+    def __init__(self, ckpt, tp: int, pp: int, vpp: int | None) -> None:
+        if not isinstance(ckpt, MegatronCheckpoint):
+            raise CheckpointError(f"{ckpt.folder}: --with-optimizer reads torch-format training checkpoints "
+                                  f"(mp_rank_* folders), not {type(ckpt).__name__}")
+        self.ckpt, self.config, self.tp, self.pp, self.vpp = ckpt, ckpt.config, tp, pp, vpp or 1
+        self.source = SourceOptimizer(ckpt)
+        self._order: dict[int, tuple] = {}
+        first = self.source.payload(0, 0)
+        if not isinstance(first.get("optimizer"), dict):
+            raise CheckpointError(f"{self.source.file(0, 0)}: holds no optimizer entry (a converted or weights-only "
+                                  f"checkpoint); --with-optimizer needs a training checkpoint saved with its optimizer")
+        self._check_dtypes(first)
+        self.args = self._run_args(ckpt.args)
+
+    def _check_dtypes(self, first: dict) -> None:
+        """Weights stored in the dtype the args name (a bf16 run's optimizer keeps fp32 main weights
+        apart from bf16 weights; an fp32 run's main weights are its weights)."""
+        stored = self.ckpt.get("decoder.final_layernorm.weight").dtype
+        args = self.ckpt.args
+        named = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+            else torch.float32
+        if stored != named:
+            raise CheckpointError(f"{self.source.file(0, 0)}: weights stored as {str(stored).replace('torch.', '')} "
+                                  f"but args say {str(named).replace('torch.', '')} (fp16/bf16 flags); the optimizer "
+                                  f"state cannot be matched to them")
+
+    @staticmethod
+    def _run_args(args: argparse.Namespace | None) -> dict[str, Any]:
+        """The run's own args (batch sizes, seed, split, ...): the layout fields are rebuilt."""
+        ours = {k: v for k, v in vars(args or argparse.Namespace()).items()
+                if k not in FIELDS and k not in ("hf_config", "hf_megatron_version")}
+        return {**ours, "has_optimizer": True, "has_rng": True}
+
+    def order(self, stage: int) -> tuple[list[str], list[int], list]:
+        if stage not in self._order:
+            self._order = {stage: stage_param_order(self.config, self.pp, self.vpp, stage)}
+        return self._order[stage]
+
+    def rank_entries(self, tp_rank: int, stage: int) -> dict[str, Any]:
+        """optimizer (no per-param state), opt_param_scheduler, rng_state of target rank (tp_rank, stage)."""
+        _, group_sizes, _ = self.order(stage)
+        first = self.source.payload(0, 0)
+        entries = {"optimizer": stripped_entry(first["optimizer"], group_sizes, self.source.file(0, 0))}
+        if isinstance(first.get("opt_param_scheduler"), dict):
+            entries["opt_param_scheduler"] = copy.deepcopy(first["opt_param_scheduler"])
+        seed = int(getattr(self.ckpt.args, "seed", 1234) or 1234)
+        rng = resharded_rng_entry(lambda t, p: first_entry(self.source.payload(t, p).get("rng_state")), seed,
+                                  tp_rank, stage, self.ckpt.tp, self.ckpt.pp)
+        if rng is not None:
+            entries["rng_state"] = [rng]
+        return entries
+
+    def write(self, iter_dir: Path) -> dict[str, Any]:
+        """distrib_optim.pt of every target rank; one target stage's source ranks loaded at a time."""
+        cache: dict[tuple[int, int], dict] = {}
+        for stage in range(self.pp):
+            names, _, chunks = self.order(stage)
+            sources = [source_name(self.config, chunks, n) for n in names]
+            stages = sorted({self.ckpt.locate(s)[0] for s in sources})
+            cache = {key: value for key, value in cache.items() if key[1] in stages}  # release the others
+            for p in stages:
+                for t in range(self.ckpt.tp):
+                    if (t, p) not in cache:
+                        cache[(t, p)] = self.source.rank_state(t, p)
+            for tp_rank in range(self.tp):
+                flat = {k: [] for k in STATE_KEYS}
+                for src in sources:
+                    p = self.ckpt.locate(src)[0]
+                    for key in STATE_KEYS:
+                        full = merge_tensor(src, [cache[(t, p)][src][key] for t in range(self.ckpt.tp)], self.config)
+                        shard = split_tensor(src, full, self.config, self.tp)[tp_rank]
+                        # a copy: a view would keep the whole merged tensor alive until the rank is written
+                        flat[key].append(shard.reshape(-1).float().clone())
+                state = {"numels": [t.numel() for t in flat["param"]], "step": self.source.step or 0,
+                         **{k: torch.cat(v) if v else torch.zeros(0) for k, v in flat.items()}}
+                save_atomic(state, iter_dir / rank_dir_name(tp_rank, stage, self.pp) / DISTRIB_OPTIM_FILE)
+                del flat, state
+        return {"step": self.source.step or 0, "ranks": self.tp * self.pp}
