@@ -1,0 +1,199 @@
+"""Optimizer state across hf_megatron and megatron-core 0.16.1 / Megatron-LM (core_v0.16.1), both ways.
+
+* Ours -> megatron-core: a megatron-core GPTModel built from our checkpoint's args, and megatron-core's
+  own optimizer for it (`_get_param_groups` + `_get_megatron_optimizer_based_on_param_groups`, the
+  function Megatron-LM's `get_megatron_optimizer` calls: FP32Optimizer for fp32, Float16Optimizer-
+  WithFloat16Params for bf16), `load_state_dict` our saved entry; then every param's Adam moments,
+  step and fp32 main weight, looked up through megatron-core's own param objects and names, equal
+  ours for the same name, and the groups carry our hyper-parameters.
+* Megatron-LM -> ours: megatron-core trains its GPTModel K steps with its optimizer and
+  OptimizerParamScheduler; the checkpoint is assembled as Megatron-LM's `save_checkpoint` (torch
+  format, `generate_state_dict`) lays it out; `hf-megatron train --load` resumes it, and its losses
+  at iterations K+1 and K+2 (the second after one update with the loaded moments) equal megatron-core
+  continuing its own run on the same samples (megatron-core's GPTDataset for our corpus).
+
+megatron-core on CPU (`megatron_core_on_cpu`): its optimizer classes and clip_grads make their scalar
+bookkeeping tensors (found_inf, the unit loss scale, norm and overflow buffers) with device='cuda' and
+accept only params whose `Tensor.type()` names a CUDA type.  Inside that block only, `torch.tensor` /
+`torch.zeros` given device='cuda' return CPU tensors and `Tensor.type()` (no argument) of a CPU
+tensor returns the CUDA type name ("torch.cuda.FloatTensor" for "torch.FloatTensor").  Nothing of
+megatron-core's state handling or math is replaced.  Megatron-LM's `save_checkpoint` itself needs
+megatron.training (not in the wheel, GPU-only imports): the test writes the same entries it would.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_distributed
+from hf_megatron.checkpoint.unpickle import safe_load
+from tiny import VOCAB
+
+K, GBS, SEQ = 2, 4, 32
+HP = dict(lr=2e-3, min_lr=2e-4, warmup=1, decay=5, style="cosine", weight_decay=0.05, beta1=0.9, beta2=0.95,
+          eps=1e-8, clip_grad=1.0)
+
+
+@contextlib.contextmanager
+def megatron_core_on_cpu():
+    """See the module docstring: device='cuda' scalars on CPU, CUDA type names for CPU tensors."""
+    real_tensor, real_zeros, real_type = torch.tensor, torch.zeros, torch.Tensor.type
+
+    def on_cpu(make):
+        def wrapped(*args, device=None, **kwargs):
+            return make(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
+        return wrapped
+
+    def cuda_type(self, *args, **kwargs):
+        name = real_type(self, *args, **kwargs)
+        return name.replace("torch.", "torch.cuda.", 1) if not args and not kwargs and not self.is_cuda else name
+
+    torch.tensor, torch.zeros, torch.Tensor.type = on_cpu(real_tensor), on_cpu(real_zeros), cuda_type
+    try:
+        yield
+    finally:
+        torch.tensor, torch.zeros, torch.Tensor.type = real_tensor, real_zeros, real_type
+
+
+def megatron_core_optimizer(model, args):
+    """What Megatron-LM's get_megatron_optimizer builds for one model chunk (no DDP wrapper: grads in .grad)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import (OptimizerConfig, _get_megatron_optimizer_based_on_param_groups,
+                                         _get_param_groups)
+    config = OptimizerConfig(optimizer="adam", lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+                             adam_beta1=HP["beta1"], adam_beta2=HP["beta2"], adam_eps=HP["eps"],
+                             clip_grad=HP["clip_grad"], bf16=args.bf16, fp16=args.fp16, params_dtype=args.params_dtype)
+    groups = _get_param_groups([model], config, None)
+    with megatron_core_on_cpu():
+        return _get_megatron_optimizer_based_on_param_groups(
+            config, [model], groups, model_parallel_group=parallel_state.get_model_parallel_group())
+
+
+def megatron_core_scheduler(optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=HP["lr"], min_lr=HP["min_lr"],
+                                   lr_warmup_steps=HP["warmup"] * GBS, lr_decay_steps=HP["decay"] * GBS,
+                                   lr_decay_style=HP["style"], start_wd=HP["weight_decay"],
+                                   end_wd=HP["weight_decay"], wd_incr_steps=HP["decay"] * GBS, wd_incr_style="constant")
+
+
+def megatron_core_state(model, optimizer) -> dict:
+    """{megatron-core param name: (step, exp_avg, exp_avg_sq, fp32 main weight)} through its own objects."""
+    inner = optimizer.optimizer
+    out = {}
+    for name, p in param_names(model).items():
+        main = getattr(p, "main_param", p)  # Float16Optimizer: the fp32 copy the inner Adam steps
+        entry = inner.state.get(main, {})
+        out[name] = (float(entry["step"]) if "step" in entry else None, entry.get("exp_avg"), entry.get("exp_avg_sq"),
+                     main.detach().float().clone())
+    return out
+
+
+def our_state(chunk, optimizer) -> dict:
+    """The same, from our optimizer (model_params[i] is stepped through main_params[i])."""
+    name_of = {id(p): n for n, p in chunk.named_parameters()}
+    out = {}
+    for p, main in zip(optimizer.model_params, optimizer.main_params):
+        entry = optimizer.optimizer.state.get(main, {})
+        out[name_of[id(p)]] = (float(entry["step"]) if "step" in entry else None, entry.get("exp_avg"),
+                               entry.get("exp_avg_sq"), main.detach().float().clone())
+    return out
+
+
+def mcore_model(args):
+    """megatron-core GPTModel from the args; for bf16 wrapped in Float16Module as Megatron-LM's
+    get_model does (it casts every param, norms included, to bf16)."""
+    from megatron.core.transformer.module import Float16Module
+    from test_megatron_interop import mcore_model_from_args
+    model = mcore_model_from_args(args)
+    return Float16Module(model.config, model) if args.bf16 or args.fp16 else model
+
+
+def param_names(model) -> dict[str, torch.nn.Parameter]:
+    """megatron-core's param names without Float16Module's `module.` prefix."""
+    return {n.removeprefix("module."): p for n, p in model.named_parameters()}
+
+
+def mcore_loss(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Megatron-LM's loss over a global batch: per-token cross entropy, mean over the tokens."""
+    seq = tokens.shape[1]
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+    losses = model(tokens, position_ids=torch.arange(seq)[None].expand_as(tokens), attention_mask=causal,
+                   labels=labels)
+    return losses.float().mean()
+
+
+def _cpu_stand_ins():
+    from megatron.core import tensor_parallel
+    torch.cuda.current_device = lambda: "cpu"  # RoPE tables (no dropout here: nothing forks the CUDA RNG)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------- ours -> megatron-core
+
+def _ours_into_megatron_core(rank, world, arch, dtype, folder):
+    from megatron.core import parallel_state
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
+        train_step
+    from hf_megatron.training.checkpoint import save_checkpoint
+    from tiny import engine_batch, tiny_hf_model
+    from training_helpers import make_batches, training_config
+    cfg = training_config({}, lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+                          adam_beta2=HP["beta2"], bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch), cfg)
+    optimizer, scheduler = build_optimizer(chunks, cfg), None
+    scheduler = build_scheduler(optimizer, cfg)
+    for batch in make_batches(2):
+        train_step(chunks, optimizer, scheduler, split_batch(engine_batch(batch), cfg))
+    save_checkpoint(folder, 2, chunks, optimizer, scheduler)
+    ours = our_state(chunks[0], optimizer)
+    ours_groups = [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups]
+    state.reset()
+
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    payload = safe_load(Path(folder) / "iter_0000002/mp_rank_00/model_optim_rng.pt")
+    model = mcore_model(payload["args"])
+    loaded = getattr(model, "module", model).load_state_dict(payload["model"], strict=False)
+    assert not loaded.unexpected_keys and all(k.endswith("_extra_state") for k in loaded.missing_keys)
+    mcore_optimizer = megatron_core_optimizer(model, payload["args"])
+    mcore_optimizer.load_state_dict(copy.deepcopy(payload["optimizer"]))
+    theirs = megatron_core_state(model, mcore_optimizer)
+    name_of = {id(getattr(p, "main_param", p)): n for n, p in param_names(model).items()}
+    theirs_groups = [((g["lr"], g["weight_decay"], tuple(g["betas"]), g["eps"]), g["wd_mult"], g["max_lr"], g["min_lr"],
+                      [name_of[id(p)] for p in g["params"]])
+                     for g in mcore_optimizer.param_groups]
+    kind = type(mcore_optimizer).__name__
+    # megatron-core's own scheduler steps on the loaded groups (reads max_lr / min_lr / wd_mult there)
+    megatron_core_scheduler(mcore_optimizer).step(GBS)
+    parallel_state.destroy_model_parallel()
+    return {"ours": ours, "theirs": theirs, "ours_groups": ours_groups, "theirs_groups": theirs_groups, "kind": kind,
+            "entry_keys": sorted(payload["optimizer"]), "dtype": str(next(model.parameters()).dtype)}
+
+
+@pytest.mark.parametrize("arch, dtype, kind", [("gpt2", "fp32", "FP32Optimizer"),
+                                                ("qwen3", "bf16", "Float16OptimizerWithFloat16Params")])
+def test_megatron_core_optimizers_load_our_state(arch, dtype, kind, tmp_path):
+    got = run_distributed(_ours_into_megatron_core, 1, (arch, dtype, str(tmp_path)))[0]
+    assert got["kind"] == kind
+    assert got["entry_keys"] == (["param_groups", "state"] if dtype == "fp32" else ["fp32_from_fp16_params", "optimizer"])
+    assert got["dtype"] == ("torch.float32" if dtype == "fp32" else "torch.bfloat16")
+    ours, theirs = got["ours"], got["theirs"]
+    assert sorted(ours) == sorted(theirs)
+    for name, (step, exp_avg, exp_avg_sq, main) in theirs.items():
+        assert step == ours[name][0] == 2.0, name
+        assert torch.equal(exp_avg, ours[name][1]) and torch.equal(exp_avg_sq, ours[name][2]), name
+        assert torch.equal(main, ours[name][3]), name
+    # groups: ours in megatron-core's order (wd_mult 1 then 0), our hyper-parameters
+    assert [g[1] for g in got["theirs_groups"]] == [1.0, 0.0]
+    for (hyper, _, max_lr, min_lr, names), our_hyper in zip(got["theirs_groups"], got["ours_groups"]):
+        assert (max_lr, min_lr) == (HP["lr"], HP["min_lr"])
+        assert hyper == (our_hyper[0], our_hyper[1], tuple(our_hyper[2]), our_hyper[3])
+    no_decay = got["theirs_groups"][1][4]
+    assert all(n.endswith(".bias") or "layernorm" in n or "norm" in n for n in no_decay)
