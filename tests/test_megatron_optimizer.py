@@ -34,6 +34,7 @@ from hf_megatron.checkpoint.unpickle import safe_load
 from tiny import VOCAB
 
 K, GBS, SEQ = 2, 4, 32
+PADDED_VOCAB = 384  # a multiple of 128 (make_vocab_size_divisible_by): no padded rows
 HP = dict(lr=2e-3, min_lr=2e-4, warmup=1, decay=5, style="cosine", weight_decay=0.05, beta1=0.9, beta2=0.95,
           eps=1e-8, clip_grad=1.0)
 
@@ -88,8 +89,8 @@ def megatron_core_state(model, optimizer) -> dict:
     for name, p in param_names(model).items():
         main = getattr(p, "main_param", p)  # Float16Optimizer: the fp32 copy the inner Adam steps
         entry = inner.state.get(main, {})
-        out[name] = (float(entry["step"]) if "step" in entry else None, entry.get("exp_avg"), entry.get("exp_avg_sq"),
-                     main.detach().float().clone())
+        out[name] = (float(entry["step"]) if "step" in entry else None, entry["exp_avg"].clone(),
+                     entry["exp_avg_sq"].clone(), main.detach().float().clone())
     return out
 
 
@@ -197,3 +198,112 @@ def test_megatron_core_optimizers_load_our_state(arch, dtype, kind, tmp_path):
         assert hyper == (our_hyper[0], our_hyper[1], tuple(our_hyper[2]), our_hyper[3])
     no_decay = got["theirs_groups"][1][4]
     assert all(n.endswith(".bias") or "layernorm" in n or "norm" in n for n in no_decay)
+
+
+# ---------------------------------------------------------------- Megatron-LM -> ours
+
+def _megatron_lm_run(rank, world, root, dtype):
+    """megatron-core trains K steps from its own init, writes iteration K as Megatron-LM's
+    save_checkpoint would, then continues: (its losses at K+1 and K+2, its state at K by name)."""
+    from megatron.core import parallel_state
+    from data_oracle import mcore_datasets
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    root = Path(root)
+    args = safe_load(root / "converted/release/mp_rank_00/model_optim_rng.pt")["args"]  # the model's args
+    torch.manual_seed(3)
+    model = mcore_model(args)
+    optimizer, gen = megatron_core_optimizer(model, args), torch.Generator().manual_seed(5)
+    scheduler = megatron_core_scheduler(optimizer)
+
+    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch
+        optimizer.zero_grad()
+        loss = mcore_loss(model, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        with megatron_core_on_cpu():
+            updated, _, _ = optimizer.step()
+        assert updated
+        scheduler.step(increment=GBS)
+        return loss.item()
+
+    for _ in range(K):  # any data: only the state after K steps matters
+        step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
+    # generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
+    # opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)
+    args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
+    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
+               folder / "model_optim_rng.pt")
+    (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
+    saved = megatron_core_state(model, optimizer)
+
+    # continue on the samples our loader gives after K * GBS (megatron-core's GPTDataset for the corpus)
+    train, _, _ = mcore_datasets(([str(root / "corpus_text_document")], None), "90,10,0", SEQ, 1234,
+                                 [(K + 2) * GBS, None, None])
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # global batch i+1: samples i*GBS .. (i+1)*GBS
+        samples = [train[j] for j in range(i * GBS, (i + 1) * GBS)]
+        return tuple(torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels"))
+
+    tokens, labels = batch(K)
+    losses = [step(torch.cat([tokens, labels[:, -1:]], dim=1))]
+    tokens, labels = batch(K + 1)
+    with torch.no_grad():
+        losses.append(mcore_loss(model, tokens, labels).item())
+    parallel_state.destroy_model_parallel()
+    return losses, saved
+
+
+def _tensorboard_losses(folder: Path) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars("lm loss")}
+
+
+@pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
+def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype, tmp_path):
+    from hf_megatron.conversion.convert import hf_to_megatron
+    from test_convert_helpers import save_hf
+    from train_cli import cli_inprocess, make_workspace
+    make_workspace(tmp_path)
+    # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
+    # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
+    hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
+    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype))[0]
+
+    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
+             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
+             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
+             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
+             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
+             *(["--bf16"] if dtype == "bf16" else [])]
+    code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
+                                   "--tensorboard-dir", tmp_path / "tb", *flags)
+    assert code == 0, err[-3000:]
+    assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
+    ours = _tensorboard_losses(tmp_path / "tb")
+    tolerance = 1e-6 if dtype == "fp32" else 2e-2  # bf16: two implementations' bf16 rounding
+    assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights
+    assert ours[K + 2] == pytest.approx(expected[1], rel=tolerance)  # one update with the loaded moments
+
+    # what our reader put into our optimizer is megatron-core's state, name by name, exactly
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from training_helpers import training_config
+    from tiny import tiny_hf_model
+    cfg = training_config({}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    loaded = our_state(chunks[0], optimizer)
+    state.reset()
+    assert sorted(loaded) == sorted(saved)
+    for name, (step, exp_avg, exp_avg_sq, main) in saved.items():
+        assert loaded[name][0] == step == float(K), name
+        assert torch.equal(loaded[name][1], exp_avg) and torch.equal(loaded[name][2], exp_avg_sq), name
+        assert torch.equal(loaded[name][3], main), name

@@ -217,8 +217,10 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
                                   f"saved with a different number of virtual pipeline chunks?")
+        # megatron-core's modules save an `_extra_state` entry (TE / fp8 metadata; None for the local spec)
+        weights = {k: v for k, v in payload[key].items() if not str(k).endswith("._extra_state")}
         try:
-            result = chunk.load_state_dict(to_stage_global(payload[key], chunk.layer_numbers), strict=False)
+            result = chunk.load_state_dict(to_stage_global(weights, chunk.layer_numbers), strict=False)
         except (RuntimeError, TypeError) as exc:  # shapes or entries that are not tensors
             raise CheckpointError(f"{path}: {key} does not fit the model ({str(exc).strip().splitlines()[0]})") from None
         if strict and (result.missing_keys or result.unexpected_keys):
