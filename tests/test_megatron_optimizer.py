@@ -307,3 +307,64 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
         assert loaded[name][0] == step == float(K), name
         assert torch.equal(loaded[name][1], exp_avg) and torch.equal(loaded[name][2], exp_avg_sq), name
         assert torch.equal(loaded[name][3], main), name
+
+
+# ---------------------------------------------------------------- our readers (no megatron-core)
+
+def _trained(dtype: str):
+    from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
+        train_step
+    from tiny import engine_batch, tiny_hf_model
+    from training_helpers import make_batches, training_config
+    cfg = training_config({}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model("qwen3"), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    for batch in make_batches(2):
+        train_step(chunks, optimizer, scheduler, split_batch(engine_batch(batch), cfg))
+    return cfg, chunks, optimizer
+
+
+@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
+def test_previous_layout_and_hyper_parameter_entries_of_either_layout_load(dtype):
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_optimizer
+    from hf_megatron.training.megatron_optimizer_layout import group_fields
+    from hf_megatron.training.optimizer_state import parameter_state_from
+    state.reset()
+    cfg, chunks, optimizer = _trained(dtype)
+    expected = our_state(chunks[0], optimizer)
+    inner = optimizer.optimizer.state_dict()  # as the previous writer saved it: no megatron-core group fields
+    inner["param_groups"] = [{k: v for k, v in g.items() if k not in group_fields(False)} for g in inner["param_groups"]]
+    previous = {"optimizer": inner, "grad_scaler": {"scale": 1.0, "growth_tracker": 0, "hysteresis_tracker": 2},
+                "fp32_from_fp16_params": [m for m, v in zip(optimizer.main_params, optimizer._model_views) if v is not None]}
+    megatron = optimizer.state_dict()
+    ps = parameter_state_from([megatron], optimizer.model_params, optimizer.megatron_order)
+    # what a reshard writes beside a distrib_optim.pt: the entry without its per-param state
+    stripped = copy.deepcopy(megatron)
+    for key in ("state", "fp32_from_fp16_params"):
+        stripped.pop(key, None)
+        stripped.get("optimizer", {}).pop(key, None)
+    for sd, parameter_state in ((previous, None), (megatron, None), (stripped, ps)):
+        fresh = build_optimizer(chunks, cfg)
+        fresh.load_state_dict(copy.deepcopy(sd), parameter_state=parameter_state)
+        got = our_state(chunks[0], fresh)
+        for name, (step, exp_avg, exp_avg_sq, main) in expected.items():
+            assert got[name][0] == step == 2.0 and torch.equal(got[name][3], main), name
+            assert torch.equal(got[name][1], exp_avg) and torch.equal(got[name][2], exp_avg_sq), name
+        assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    state.reset()
+
+
+def test_megatron_layout_with_a_wrong_shape_names_the_param():
+    from hf_megatron.errors import CheckpointError
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_optimizer
+    state.reset()
+    cfg, chunks, optimizer = _trained("fp32")
+    sd = optimizer.state_dict()
+    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:-1]
+    with pytest.raises(CheckpointError, match=r"exp_avg for embedding\.word_embeddings\.weight \(state 0\) has shape"):
+        build_optimizer(chunks, cfg).load_state_dict(sd)
+    state.reset()

@@ -117,14 +117,14 @@ def set_schedule_bounds(sd: dict, max_lr: float, min_lr: float) -> None:
 # ------------------------------------------------------------------ read
 
 def is_megatron_layout(sd: dict) -> bool:
-    """FP32Optimizer's (state at the top) or a group with megatron-core's fields."""
+    """FP32Optimizer's (state at the top), or Float16OptimizerWithFloat16Params' (fp32_from_fp16_params
+    one list per group; our previous layout has one flat list of tensors)."""
     if not isinstance(sd, dict):
         return False
     if "param_groups" in sd:
         return True
-    inner = sd.get("optimizer")
-    return isinstance(inner, dict) and any(isinstance(g, dict) and "wd_mult" in g
-                                           for g in inner.get("param_groups", []))
+    halves = sd.get("fp32_from_fp16_params")
+    return isinstance(halves, list) and bool(halves) and all(isinstance(h, list) for h in halves)
 
 
 def inner_state(sd: dict) -> dict:
