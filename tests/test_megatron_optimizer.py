@@ -285,7 +285,8 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
     assert code == 0, err[-3000:]
     assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
     ours = _tensorboard_losses(tmp_path / "tb")
-    tolerance = 1e-6 if dtype == "fp32" else 2e-2  # bf16: two implementations' bf16 rounding
+    # measured: fp32 1.6e-7 and 0; bf16 4e-5 and 8e-6 (two implementations' bf16 rounding)
+    tolerance = 1e-6 if dtype == "fp32" else 1e-3
     assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights
     assert ours[K + 2] == pytest.approx(expected[1], rel=tolerance)  # one update with the loaded moments
 
