@@ -105,12 +105,12 @@ def our_state(chunk, optimizer) -> dict:
     return out
 
 
-def mcore_model(args):
+def mcore_model(args, tp: int = 1):
     """megatron-core GPTModel from the args; for bf16 wrapped in Float16Module as Megatron-LM's
     get_model does (it casts every param, norms included, to bf16)."""
     from megatron.core.transformer.module import Float16Module
     from test_megatron_interop import mcore_model_from_args
-    model = mcore_model_from_args(args)
+    model = mcore_model_from_args(args, tp)
     return Float16Module(model.config, model) if args.bf16 or args.fp16 else model
 
 
@@ -144,7 +144,7 @@ def _ours_into_megatron_core(rank, world, arch, dtype, folder):
     from hf_megatron.training.checkpoint import save_checkpoint
     from tiny import engine_batch, tiny_hf_model
     from training_helpers import make_batches, training_config
-    cfg = training_config({}, lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+    cfg = training_config({"tp": world}, lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
                           adam_beta2=HP["beta2"], bf16=dtype == "bf16")
     setup_parallel(cfg)
     chunks = build_model(tiny_hf_model(arch), cfg)
@@ -157,10 +157,10 @@ def _ours_into_megatron_core(rank, world, arch, dtype, folder):
     ours_groups = [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups]
     state.reset()
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(world, 1)
     _cpu_stand_ins()
-    payload = safe_load(Path(folder) / "iter_0000002/mp_rank_00/model_optim_rng.pt")
-    model = mcore_model(payload["args"])
+    payload = safe_load(Path(folder) / f"iter_0000002/mp_rank_0{rank}/model_optim_rng.pt")
+    model = mcore_model(payload["args"], tp=world)
     loaded = getattr(model, "module", model).load_state_dict(payload["model"], strict=False)
     assert not loaded.unexpected_keys and all(k.endswith("_extra_state") for k in loaded.missing_keys)
     mcore_optimizer = megatron_core_optimizer(model, payload["args"])
@@ -178,10 +178,15 @@ def _ours_into_megatron_core(rank, world, arch, dtype, folder):
             "entry_keys": sorted(payload["optimizer"]), "dtype": str(next(model.parameters()).dtype)}
 
 
-@pytest.mark.parametrize("arch, dtype, kind", [("gpt2", "fp32", "FP32Optimizer"),
-                                                ("qwen3", "bf16", "Float16OptimizerWithFloat16Params")])
-def test_megatron_core_optimizers_load_our_state(arch, dtype, kind, tmp_path):
-    got = run_distributed(_ours_into_megatron_core, 1, (arch, dtype, str(tmp_path)))[0]
+@pytest.mark.parametrize("arch, dtype, kind, tp", [
+    ("gpt2", "fp32", "FP32Optimizer", 1), ("qwen3", "bf16", "Float16OptimizerWithFloat16Params", 1),
+    pytest.param("qwen3", "bf16", "Float16OptimizerWithFloat16Params", 2, marks=pytest.mark.slow)])
+def test_megatron_core_optimizers_load_our_state(arch, dtype, kind, tp, tmp_path):
+    for got in run_distributed(_ours_into_megatron_core, tp, (arch, dtype, str(tmp_path))):
+        _check_megatron_core_holds_ours(got, dtype, kind)
+
+
+def _check_megatron_core_holds_ours(got, dtype, kind):
     assert got["kind"] == kind
     assert got["entry_keys"] == (["param_groups", "state"] if dtype == "fp32" else ["fp32_from_fp16_params", "optimizer"])
     assert got["dtype"] == ("torch.float32" if dtype == "fp32" else "torch.bfloat16")
@@ -196,8 +201,11 @@ def test_megatron_core_optimizers_load_our_state(arch, dtype, kind, tmp_path):
     for (hyper, _, max_lr, min_lr, names), our_hyper in zip(got["theirs_groups"], got["ours_groups"]):
         assert (max_lr, min_lr) == (HP["lr"], HP["min_lr"])
         assert hyper == (our_hyper[0], our_hyper[1], tuple(our_hyper[2]), our_hyper[3])
-    no_decay = got["theirs_groups"][1][4]
-    assert all(n.endswith(".bias") or "layernorm" in n or "norm" in n for n in no_decay)
+    # megatron-core's rule put each param in its group: no decay for 1-D params and biases
+    decay, no_decay = got["theirs_groups"][0][4], got["theirs_groups"][1][4]
+    assert sorted(decay + no_decay) == sorted(theirs)
+    assert all(theirs[n][3].ndim == 1 or n.endswith(".bias") for n in no_decay)
+    assert not any(theirs[n][3].ndim == 1 or n.endswith(".bias") for n in decay)
 
 
 # ---------------------------------------------------------------- Megatron-LM -> ours
