@@ -335,8 +335,9 @@ def _trained(dtype: str):
     return cfg, chunks, optimizer
 
 
-@pytest.mark.parametrize("dtype", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_previous_layout_and_hyper_parameter_entries_of_either_layout_load(dtype):
+    from hf_megatron.errors import CheckpointError
     from hf_megatron.parallel import state
     from hf_megatron.training import build_optimizer
     from hf_megatron.training.megatron_optimizer_layout import group_fields
@@ -363,17 +364,9 @@ def test_previous_layout_and_hyper_parameter_entries_of_either_layout_load(dtype
             assert got[name][0] == step == 2.0 and torch.equal(got[name][3], main), name
             assert torch.equal(got[name][1], exp_avg) and torch.equal(got[name][2], exp_avg_sq), name
         assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in optimizer.param_groups]
-    state.reset()
-
-
-def test_megatron_layout_with_a_wrong_shape_names_the_param():
-    from hf_megatron.errors import CheckpointError
-    from hf_megatron.parallel import state
-    from hf_megatron.training import build_optimizer
-    state.reset()
-    cfg, chunks, optimizer = _trained("fp32")
-    sd = optimizer.state_dict()
-    sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"][:-1]
+    # a moment of the wrong shape: one line naming the param
+    inner = megatron if dtype == "fp32" else megatron["optimizer"]
+    inner["state"][0]["exp_avg"] = inner["state"][0]["exp_avg"][:-1]
     with pytest.raises(CheckpointError, match=r"exp_avg for embedding\.word_embeddings\.weight \(state 0\) has shape"):
-        build_optimizer(chunks, cfg).load_state_dict(sd)
+        build_optimizer(chunks, cfg).load_state_dict(megatron)
     state.reset()
