@@ -41,7 +41,7 @@ def _rank_file(folder, iteration):
 def _fresh_training_state(folder):
     payload = _rank_file(folder, 1)
     assert payload["iteration"] == 1 and payload["consumed_train_samples"] == 4
-    assert {s["step"].item() for s in payload["optimizer"]["optimizer"]["state"].values()} == {1.0}
+    assert {s["step"].item() for s in payload["optimizer"]["state"].values()} == {1.0}
     assert payload["opt_param_scheduler"]["num_steps"] == 4  # samples: one step of the new run
 
 
@@ -90,5 +90,5 @@ def test_no_load_optim_starts_optimizer_and_schedule_afresh(sources):
     # Megatron-LM: without the optimizer the LR schedule starts again too (warmup step: lr 0)
     assert "iteration      3/3" in out and learning_rates(out) == ["0.000e+00"]
     payload = _rank_file(save, 3)
-    assert {s["step"].item() for s in payload["optimizer"]["optimizer"]["state"].values()} == {1.0}
+    assert {s["step"].item() for s in payload["optimizer"]["state"].values()} == {1.0}
     assert payload["iteration"] == 3

@@ -40,6 +40,7 @@ from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
+from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
@@ -129,6 +130,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
 
     # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
+    if optim_state is not None and hasattr(scheduler, "min_lr"):  # megatron-core's scheduler reads them per group
+        set_schedule_bounds(optim_state, scheduler.max_lr, scheduler.min_lr)
     param_state = optimizer.parameter_state() if getattr(optimizer, "sharded", False) else None
     rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
     if dp_rank == 0 and cp_rank == 0:
@@ -214,8 +217,10 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
                                   f"saved with a different number of virtual pipeline chunks?")
+        # megatron-core's modules save an `_extra_state` entry (TE / fp8 metadata; None for the local spec)
+        weights = {k: v for k, v in payload[key].items() if not str(k).endswith("._extra_state")}
         try:
-            result = chunk.load_state_dict(to_stage_global(payload[key], chunk.layer_numbers), strict=False)
+            result = chunk.load_state_dict(to_stage_global(weights, chunk.layer_numbers), strict=False)
         except (RuntimeError, TypeError) as exc:  # shapes or entries that are not tensors
             raise CheckpointError(f"{path}: {key} does not fit the model ({str(exc).strip().splitlines()[0]})") from None
         if strict and (result.missing_keys or result.unexpected_keys):
@@ -259,13 +264,15 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
             raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1_files]} are not "
                                   f"optim_dp_000.pt .. optim_dp_{len(zero1_files) - 1:03d}.pt")
         states = [safe_load(f)["optimizer"] for f in zero1_files]
-        optimizer.load_state_dict(states[0], parameter_state=parameter_state_from(states, optimizer.model_params))
+        optimizer.load_state_dict(states[0], parameter_state=parameter_state_from(
+            states, optimizer.model_params, getattr(optimizer, "megatron_order", None)))
     elif "optimizer" not in payload:
         raise CheckpointError(f"{path}: holds no optimizer state (a converted or weights-only checkpoint); "
                               f"load it without an optimizer (--finetune or --no-load-optim)")
     elif getattr(optimizer, "sharded", False):
         state = payload["optimizer"]
-        optimizer.load_state_dict(state, parameter_state=parameter_state_from([state], optimizer.model_params))
+        optimizer.load_state_dict(state, parameter_state=parameter_state_from(
+            [state], optimizer.model_params, getattr(optimizer, "megatron_order", None)))
     else:
         optimizer.load_state_dict(payload["optimizer"])
 

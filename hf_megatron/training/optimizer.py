@@ -21,6 +21,11 @@ With torch's fused AdamW the factor is applied inside the AdamW kernel (its `gra
 
 Weight decay is not applied to biases and norm weights (every 1-D parameter).
 
+Checkpoint: `state_dict()` is Megatron-LM's optimizer entry (megatron_optimizer_layout.py): for
+fp32 models FP32Optimizer's layout, for bf16/fp16 Float16OptimizerWithFloat16Params', state numbered
+in megatron-core's param order; `load_state_dict` reads that, our previous layout, and (with a
+parameter state) only hyper-parameters and scaler from either.
+
 Megatron's distributed optimizer (training/distributed_optimizer.py) shards main weights and
 Adam moments over dp by contiguous ranges of the grad buffer.
 """
@@ -35,11 +40,14 @@ from ..errors import CheckpointError
 from ..parallel import pipeline, state
 from ..parallel.data_parallel import grad_of
 from ..parallel.grad_buffer import GradBuffer
-from .optimizer_state import MOMENTS, check_parameter_state
+from .megatron_optimizer_layout import (group_fields, hyper_parameters, inner_state, match_groups, megatron_groups,
+                                        to_megatron)
+from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
 
 
 def param_groups(chunks, weight_decay: float) -> list[dict]:
-    """Two groups: decayed (matrices) and not decayed (biases, norms). Shared params once."""
+    """Two groups: decayed (matrices) and not decayed (biases, norms), with megatron-core's group
+    fields (wd_mult 1 / 0, ...: megatron_optimizer_layout.group_fields). Shared params once."""
     seen, decay, no_decay = set(), [], []
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -47,8 +55,8 @@ def param_groups(chunks, weight_decay: float) -> list[dict]:
                 continue
             seen.add(id(p))
             (no_decay if p.ndim == 1 or name.endswith(".bias") else decay).append(p)
-    return [g for g in ({"params": decay, "weight_decay": weight_decay},
-                        {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay, **group_fields(no_decay=False)},
+                        {"params": no_decay, "weight_decay": 0.0, **group_fields(no_decay=True)}) if g["params"]]
 
 
 def make_adam(groups, lr: float, betas, eps: float, device: torch.device):
@@ -89,11 +97,23 @@ class LossScaler:
                 self.scale *= self.growth
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.good_steps, "hysteresis_tracker": self.hysteresis_left}
+        """megatron-core's: DynamicGradScaler {scale: fp32 [1], trackers}; ConstantGradScaler {}."""
+        if not self.dynamic:
+            return {}
+        return {"scale": torch.tensor([self.scale], dtype=torch.float32), "growth_tracker": self.good_steps,
+                "hysteresis_tracker": self.hysteresis_left}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.scale = float(sd["scale"])
-        self.good_steps, self.hysteresis_left = int(sd["growth_tracker"]), int(sd["hysteresis_tracker"])
+        """A dynamic scaler takes a saved dynamic one's state (scale as a number or a 1-element
+        tensor); a constant one keeps its flag's scale (megatron-core skips it too)."""
+        if not self.dynamic or not sd or "scale" not in sd:
+            return
+        try:
+            self.scale = float(sd["scale"])
+            self.good_steps, self.hysteresis_left = int(sd["growth_tracker"]), int(sd["hysteresis_tracker"])
+        except (KeyError, TypeError, ValueError, RuntimeError):
+            raise CheckpointError("optimizer state: grad_scaler should hold scale, growth_tracker and "
+                                  "hysteresis_tracker") from None
 
 
 def _counted_in_norm(chunk, name: str, p: torch.Tensor) -> bool:
@@ -124,8 +144,11 @@ class MixedPrecisionOptimizer:
         self.chunks = list(chunks)
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
-        groups = param_groups(self.chunks, weight_decay) if groups is None else groups  # caller's groups kept
+        groups = param_groups(self.chunks, weight_decay) if groups is None else [  # caller's groups kept
+            {**group_fields(no_decay=g.get("weight_decay", weight_decay) == 0.0), **g} for g in groups]
         self.model_params = [p for g in groups for p in g["params"]]
+        # megatron-core's param order of each group, for the checkpoint (megatron_optimizer_layout.py)
+        self.megatron_order = megatron_groups(self.chunks, [g["params"] for g in groups])
         self.dp_group = state.get_state().group("dp")
         self.grad_buffer = GradBuffer(self.chunks, self.model_params, self.dp_group, bucket_size,
                                       overlap=overlap_grad_reduce, reduce_scatter=self.sharded,
@@ -255,50 +278,46 @@ class MixedPrecisionOptimizer:
         return [(m, v) for m, v in zip(self.main_params, self._model_views) if v is not None]
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "grad_scaler": self.scaler.state_dict(),
-                "fp32_from_fp16_params": [m.detach().clone() for m, _ in self._halves()]}
+        """Megatron-LM's optimizer entry: FP32Optimizer's layout for an fp32 model, else
+        Float16OptimizerWithFloat16Params' (megatron_optimizer_layout.py)."""
+        low = [view is not None for view in self._model_views]
+        float16 = any(low) or self.scaler.dynamic
+        scaler = self.scaler.state_dict() if self.scaler.dynamic or self.scaler.scale != 1.0 else None
+        inner = self.optimizer.state_dict()
+        step = next((int(e["step"]) for e in inner["state"].values() if e.get("step") is not None), 0)
+        return to_megatron(inner, self.megatron_order[0], self.main_params, low, scaler, float16, step)
 
     def load_state_dict(self, sd: dict, parameter_state: dict | None = None) -> None:
-        """`sd` as `state_dict()` wrote it; or, with a distributed optimizer's `parameter_state`
-        (distrib_optim.pt), only hyper-parameters and scaler from `sd`."""
-        if parameter_state is not None:
-            self.load_parameter_state(sd, parameter_state)
-            return
-        halves = self._halves()
-        if len(halves) != len(sd.get("fp32_from_fp16_params", [])):
-            raise ValueError(f"optimizer state: {len(sd.get('fp32_from_fp16_params', []))} fp32_from_fp16_params "
-                             f"saved, the model has {len(halves)} low-precision params on this rank")
-        self.optimizer.load_state_dict(sd["optimizer"])
-        self.scaler.load_state_dict(sd["grad_scaler"])
-        with torch.no_grad():
-            for (main, view), saved in zip(halves, sd["fp32_from_fp16_params"]):
-                main.copy_(saved)
-                view.copy_(saved)
+        """`sd` in Megatron-LM's layout (as `state_dict()` writes it) or our previous one; or, with a
+        distributed optimizer's `parameter_state` (distrib_optim.pt), only hyper-parameters and
+        scaler from `sd` (either layout, per-param state absent or ignored)."""
+        if parameter_state is None:
+            parameter_state = parameter_state_from([sd], self.model_params, self.megatron_order)
+        self.load_parameter_state(sd, parameter_state)
 
     @torch.no_grad()
     def load_parameter_state(self, sd: dict, parameter_state: dict) -> None:
         """Main weights and AdamW moments of `fragments` from a parameter state (optimizer_state.py),
         hyper-parameters and loss scaler from `sd`."""
-        saved_groups = sd["optimizer"]["param_groups"]
-        if len(saved_groups) != len(self.optimizer.param_groups):
-            raise CheckpointError(f"optimizer state: {len(saved_groups)} param groups saved, this optimizer has "
-                                  f"{len(self.optimizer.param_groups)}")
+        saved_groups = match_groups(self.optimizer.param_groups, inner_state(sd)["param_groups"])
         check_parameter_state(parameter_state, self.model_params)
-        self.scaler.load_state_dict(sd["grad_scaler"])
+        if "param_groups" not in sd:  # FP32Optimizer's layout has no scaler
+            self.scaler.load_state_dict(sd.get("grad_scaler") or {})
         starts = torch.tensor([0] + list(parameter_state["numels"])).cumsum(0).tolist()
         start_of = {id(p): s for p, s in zip(self.model_params, starts)}
-        step, inner_state = parameter_state["step"], {}
+        step, inner_state_ = parameter_state["step"], {}
         for index, ((p, lo, hi), main, view) in enumerate(zip(self.fragments, self.main_params, self._model_views)):
             at = start_of[id(p)]
             main.view(-1).copy_(parameter_state["param"][at + lo:at + hi])
             if view is not None:
                 view.copy_(main)
             if step:
-                inner_state[index] = {"step": torch.tensor(float(step)),
-                                      **{k: parameter_state[k][at + lo:at + hi].to(main.device).view_as(main).clone()
-                                         for k in MOMENTS}}
+                inner_state_[index] = {"step": torch.tensor(float(step)),
+                                       **{k: parameter_state[k][at + lo:at + hi].to(main.device).view_as(main).clone()
+                                          for k in MOMENTS}}
         groups, index = [], 0
         for saved, live in zip(saved_groups, self.optimizer.param_groups):
-            groups.append({**saved, "params": list(range(index, index + len(live["params"])))})
+            hyper = hyper_parameters({k: v for k, v in live.items() if k != "params"}, saved)
+            groups.append({**hyper, "params": list(range(index, index + len(live["params"])))})
             index += len(live["params"])
-        self.optimizer.load_state_dict({"state": inner_state, "param_groups": groups})
+        self.optimizer.load_state_dict({"state": inner_state_, "param_groups": groups})
