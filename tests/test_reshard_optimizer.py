@@ -201,20 +201,22 @@ def test_bad_sources_are_one_line_errors(workspace, tmp_path):
     assert not (tmp_path / "x").exists() and not (tmp_path / "z").exists()
 
 
-def test_a_flat_optimizer_entry_reshards_as_the_nested_one(workspace, tmp_path):
-    """The optimizer entry with torch's {state, param_groups} at its top level (instead of nested
-    under "optimizer") and main weights per param group gives the same resharded state."""
+def test_a_nested_optimizer_entry_reshards_as_the_flat_one(workspace, tmp_path):
+    """An fp32 run saves FP32Optimizer's entry (torch's {state, param_groups} at its top level);
+    the same state nested under "optimizer" with main weights per param group (the
+    Float16OptimizerWithFloat16Params nesting) gives the same resharded state."""
     import shutil
     source, _ = reference(workspace, "ref_1_1", {})
-    flat = tmp_path / "flat"
-    shutil.copytree(source, flat)
-    rank_file = flat / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    nested = tmp_path / "nested"
+    shutil.copytree(source, nested)
+    rank_file = nested / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     payload = safe_load(rank_file)
     entry = payload["optimizer"]
-    payload["optimizer"] = {**entry["optimizer"], "grad_scaler": entry["grad_scaler"],
-                            "fp32_from_fp16_params": [[] for _ in entry["optimizer"]["param_groups"]]}
+    assert "state" in entry and "param_groups" in entry  # saved flat
+    payload["optimizer"] = {"optimizer": {"state": entry["state"], "param_groups": entry["param_groups"]},
+                            "fp32_from_fp16_params": [[] for _ in entry["param_groups"]]}
     torch.save(payload, rank_file)
-    for src, out in ((source, tmp_path / "nested_tp2"), (flat, tmp_path / "flat_tp2")):
+    for src, out in ((nested, tmp_path / "nested_tp2"), (source, tmp_path / "flat_tp2")):
         assert cli.main(["reshard", "--src", str(src / f"iter_{SAVE_AT:07d}"), "--out", str(out), "--tp", "2",
                          "--with-optimizer", "--no-checkpoint-checksums"]) == 0
     for t in range(2):
@@ -235,8 +237,9 @@ def test_a_full_state_with_other_param_groups_is_refused(workspace, tmp_path):
     shutil.copytree(source, merged)
     rank_file = merged / f"iter_{SAVE_AT:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     payload = safe_load(rank_file)
-    groups = payload["optimizer"]["optimizer"]["param_groups"]
-    payload["optimizer"]["optimizer"]["param_groups"] = [{**groups[0], "params": [i for g in groups for i in g["params"]]}]
+    inner = payload["optimizer"]  # FP32Optimizer's entry: torch's state dict at the top level
+    groups = inner["param_groups"]
+    inner["param_groups"] = [{**groups[0], "params": [i for g in groups for i in g["params"]]}]
     torch.save(payload, rank_file)
     line = _reshard_error("--src", merged / f"iter_{SAVE_AT:07d}", "--out", tmp_path / "x", "--tp", 2,
                           "--no-checkpoint-checksums")

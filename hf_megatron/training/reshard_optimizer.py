@@ -42,6 +42,7 @@ from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
 from .checkpoint import DISTRIB_OPTIM_FILE
 from .optimizer import param_groups
+from .megatron_optimizer_layout import is_megatron_layout, megatron_groups
 from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
 from .reshard_rng import first_entry, resharded_rng_entry
 
@@ -146,7 +147,10 @@ class SourceOptimizer:
         if missing:
             raise CheckpointError(f"{path}: weights {missing[:3]} of the optimizer's params are missing")
         model_params = [weights[n] for n in names]
-        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes)
+        # Megatron-LM's layout numbers its state in megatron-core's param order (index-based, so the
+        # meta chunks' order holds for the loaded weights too)
+        order = megatron_groups(chunks, [g["params"] for g in param_groups(chunks, weight_decay=0.0)])
+        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes, order)
         step = int(ps["step"])
         if self.step is not None and step != self.step:
             raise CheckpointError(f"{path}: optimizer step {step}, other ranks' is {self.step}")
@@ -158,7 +162,8 @@ class SourceOptimizer:
         return out
 
     @staticmethod
-    def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int]) -> dict:
+    def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int],
+                         order) -> dict:
         folder = path.parent
         zero1 = sorted(folder.glob("optim_dp_*.pt"))
         try:
@@ -177,7 +182,7 @@ class SourceOptimizer:
             if saved != group_sizes:
                 raise CheckpointError(f"optimizer param groups of {saved} params, the model's default groups have "
                                       f"{group_sizes} (custom param groups cannot be resharded)")
-            return parameter_state_from([full], model_params)
+            return parameter_state_from([entry if is_megatron_layout(entry) else full], model_params, order)
         except CheckpointError as exc:
             message = str(exc)
             raise CheckpointError(message if message.startswith(str(folder)) else f"{path}: {message}") from None
