@@ -271,28 +271,35 @@ def _tensorboard_losses(folder: Path) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars("lm loss")}
 
 
+def resume_with_train(tmp_path: Path, dtype: str, *extra) -> dict[int, float]:
+    """`hf-megatron train --load <tmp_path>/megatron_lm` to iteration K+2 with the run's hyper-parameters;
+    its losses by iteration (it must resume at K+1)."""
+    from train_cli import cli_inprocess
+    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
+             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
+             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
+             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
+             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
+             *(["--bf16"] if dtype == "bf16" else []), *extra]
+    code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
+                                   "--tensorboard-dir", tmp_path / "tb", *flags)
+    assert code == 0, err[-3000:]
+    assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
+    return _tensorboard_losses(tmp_path / "tb")
+
+
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype, tmp_path):
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
-    from train_cli import cli_inprocess, make_workspace
+    from train_cli import make_workspace
     make_workspace(tmp_path)
     # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
     expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype))[0]
 
-    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
-             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
-             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
-             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
-             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
-             *(["--bf16"] if dtype == "bf16" else [])]
-    code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
-                                   "--tensorboard-dir", tmp_path / "tb", *flags)
-    assert code == 0, err[-3000:]
-    assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
-    ours = _tensorboard_losses(tmp_path / "tb")
+    ours = resume_with_train(tmp_path, dtype)
     # measured: fp32 1.6e-7 and 0; bf16 4e-5 and 8e-6 (two implementations' bf16 rounding)
     tolerance = 1e-6 if dtype == "fp32" else 1e-3
     assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights

@@ -1,0 +1,153 @@
+"""megatron-core 0.16.1's distributed optimizer checkpoint (distrib_optim.pt, --ckpt-format torch) resumed by
+`hf-megatron train --load`.
+
+megatron-core trains its GPTModel K AdamW steps wrapped as Megatron-LM's `get_model` / `setup_model_and_-
+optimizer` do with --use-distributed-optimizer: Float16Module for bf16, then its DistributedDataParallel
+(use_distributed_optimizer, grad_reduce_in_fp32 for bf16 as Megatron-LM's --bf16 implies), its
+`get_megatron_optimizer` (a ChainedOptimizer around one DistributedOptimizer) and OptimizerParamScheduler;
+each step is Megatron-LM's train_step on one global batch (zero_grad_buffer, backward,
+finish_grad_sync, step).  The checkpoint is what Megatron-LM's `save_checkpoint` writes for ckpt_format
+torch (megatron/training/checkpointing.py at core_v0.16.1): model_optim_rng.pt from `generate_state_dict`
+(optimizer entry = `optimizer.state_dict()`, params-free groups with the step) and
+`optimizer.save_parameter_state(<rank dir>/distrib_optim.pt)`.  Then `train --load` (our distributed
+optimizer, or our plain one) resumes it; its losses at K+1 and K+2 equal megatron-core continuing its own
+run on the same samples, and every param's main weight and Adam moments as our reader placed them equal
+megatron-core's own (`DistributedOptimizer._get_main_param_and_optimizer_states`), name by name.
+
+Cases: one bucket (Megatron-LM's default: no --overlap-grad-reduce), and --overlap-grad-reduce with a small
+--ddp-bucket-size (several buckets: the file drops each bucket's end padding, keeps the 64-element
+param alignment inside buckets).
+
+megatron-core on CPU: exactly tests/test_megatron_optimizer.py's patches (`megatron_core_on_cpu` around
+building and stepping the optimizer: device='cuda' scalars made on CPU, CUDA type names for CPU tensors;
+`_cpu_stand_ins`: torch.cuda.current_device() -> "cpu", which also places DDP's grad buffers on CPU, and
+no CUDA RNG fork).  Nothing in DDP or the DistributedOptimizer is patched; its reduce-scatter and
+all-gather run on gloo, one process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_distributed
+from hf_megatron.checkpoint.unpickle import safe_load
+from test_megatron_optimizer import (GBS, HP, K, PADDED_VOCAB, SEQ, VOCAB, _cpu_stand_ins, mcore_loss, mcore_model,
+                                     megatron_core_on_cpu, megatron_core_scheduler, our_state, param_names,
+                                     resume_with_train)
+
+
+def _ddp_and_optimizer(model, args):
+    """What Megatron-LM's get_model + get_megatron_optimizer build with --use-distributed-optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=args.bf16,
+                                               overlap_grad_reduce=args.overlap_grad_reduce,
+                                               bucket_size=args.ddp_bucket_size)
+    ddp = DistributedDataParallel(getattr(model, "module", model).config, ddp_config, model)
+    config = OptimizerConfig(optimizer="adam", lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+                             adam_beta1=HP["beta1"], adam_beta2=HP["beta2"], adam_eps=HP["eps"],
+                             clip_grad=HP["clip_grad"], bf16=args.bf16, fp16=args.fp16, params_dtype=args.params_dtype,
+                             use_distributed_optimizer=True)
+    with megatron_core_on_cpu():
+        return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def _megatron_lm_distributed_run(rank, world, root, bucket_size):
+    from megatron.core import parallel_state
+    from data_oracle import mcore_datasets
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    root = Path(root)
+    args = safe_load(root / "converted/release/mp_rank_00/model_optim_rng.pt")["args"]
+    args.use_distributed_optimizer, args.data_parallel_size = True, world
+    args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
+    torch.manual_seed(3)
+    model = mcore_model(args)
+    ddp, optimizer = _ddp_and_optimizer(model, args)
+    scheduler, gen = megatron_core_scheduler(optimizer), torch.Generator().manual_seed(5)
+
+    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = mcore_loss(ddp, tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        ddp.finish_grad_sync()
+        with megatron_core_on_cpu():
+            updated, _, _ = optimizer.step()
+        assert updated
+        scheduler.step(increment=GBS)
+        return loss.item()
+
+    for _ in range(K):
+        step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
+    buckets = [len(b.buckets) for b in ddp.buffers]
+    args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
+    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                "model": ddp.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
+               folder / "model_optim_rng.pt")
+    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
+    (inner,) = optimizer.chained_optimizers
+    saved = {}
+    for name, p in param_names(model).items():  # megatron-core's own accessor of a param's shard state
+        tensors = inner._get_main_param_and_optimizer_states(p)
+        saved[name] = (tensors["param"].detach().float().clone().view(p.shape),
+                       tensors["exp_avg"].clone().view(p.shape), tensors["exp_avg_sq"].clone().view(p.shape))
+
+    train, _, _ = mcore_datasets(([str(root / "corpus_text_document")], None), "90,10,0", SEQ, 1234,
+                                 [(K + 2) * GBS, None, None])
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = [train[j] for j in range(i * GBS, (i + 1) * GBS)]
+        return tuple(torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels"))
+
+    tokens, labels = batch(K)
+    losses = [step(torch.cat([tokens, labels[:, -1:]], dim=1))]
+    tokens, labels = batch(K + 1)
+    with torch.no_grad():
+        losses.append(mcore_loss(ddp, tokens, labels).item())
+    parallel_state.destroy_model_parallel()
+    return losses, saved, buckets
+
+
+@pytest.mark.parametrize("arch, dtype, bucket_size, ours_distributed", [
+    ("gpt2", "fp32", None, True), ("qwen2", "bf16", 20000, False)])
+def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, ours_distributed, tmp_path):
+    from hf_megatron.conversion.convert import hf_to_megatron
+    from test_convert_helpers import save_hf
+    from train_cli import make_workspace
+    make_workspace(tmp_path)
+    hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
+    expected, saved, buckets = run_distributed(_megatron_lm_distributed_run, 1, (str(tmp_path), bucket_size))[0]
+    assert buckets == ([1] if bucket_size is None else [buckets[0]]) and (bucket_size is None or buckets[0] > 2)
+    file = safe_load(tmp_path / f"megatron_lm/iter_{K:07d}/mp_rank_00/distrib_optim.pt")
+    assert file["buckets_coalesced"] is True and sorted(k for k in file if k != "buckets_coalesced") == [0]
+
+    # what our reader placed is megatron-core's state, name by name, exactly
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    cfg = training_config({"zero": ours_distributed}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    loaded = our_state(chunks[0], optimizer)
+    state.reset()
+    assert sorted(loaded) == sorted(saved)
+    for name, (main, exp_avg, exp_avg_sq) in saved.items():
+        assert loaded[name][0] == float(K), name
+        for got, want in zip((loaded[name][3], loaded[name][1], loaded[name][2]), (main, exp_avg, exp_avg_sq)):
+            assert torch.equal(got.reshape(-1), want.reshape(-1)), name  # (our distributed optimizer's are flat)
+
+    ours = resume_with_train(tmp_path, dtype, *(["--use-distributed-optimizer"] if ours_distributed else []))
+    tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
+    assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights
+    assert ours[K + 2] == pytest.approx(expected[1], rel=tolerance)  # one update with the loaded moments
