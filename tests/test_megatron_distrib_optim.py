@@ -34,8 +34,8 @@ import torch
 from dist import run_distributed
 from hf_megatron.checkpoint.unpickle import safe_load
 from test_megatron_optimizer import (GBS, HP, K, PADDED_VOCAB, SEQ, VOCAB, _cpu_stand_ins, mcore_loss, mcore_model,
-                                     megatron_core_on_cpu, megatron_core_scheduler, our_state, param_names,
-                                     resume_with_train)
+                                     megatron_core_on_cpu, megatron_core_scheduler, next_two_losses, our_state, param_names,
+                                     resume_with_train, write_megatron_lm_iteration)
 
 
 def _ddp_and_optimizer(model, args):
@@ -56,7 +56,6 @@ def _ddp_and_optimizer(model, args):
 
 def _megatron_lm_distributed_run(rank, world, root, bucket_size):
     from megatron.core import parallel_state
-    from data_oracle import mcore_datasets
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
     root = Path(root)
@@ -83,15 +82,8 @@ def _megatron_lm_distributed_run(rank, world, root, bucket_size):
     for _ in range(K):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
     buckets = [len(b.buckets) for b in ddp.buffers]
-    args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
-    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
-    folder.mkdir(parents=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
-                "model": ddp.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
-                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
-               folder / "model_optim_rng.pt")
+    folder = write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
     optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
-    (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
     (inner,) = optimizer.chained_optimizers
     saved = {}
     for name, p in param_names(model).items():  # megatron-core's own accessor of a param's shard state
@@ -99,18 +91,7 @@ def _megatron_lm_distributed_run(rank, world, root, bucket_size):
         saved[name] = (tensors["param"].detach().float().clone().view(p.shape),
                        tensors["exp_avg"].clone().view(p.shape), tensors["exp_avg_sq"].clone().view(p.shape))
 
-    train, _, _ = mcore_datasets(([str(root / "corpus_text_document")], None), "90,10,0", SEQ, 1234,
-                                 [(K + 2) * GBS, None, None])
-
-    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        samples = [train[j] for j in range(i * GBS, (i + 1) * GBS)]
-        return tuple(torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels"))
-
-    tokens, labels = batch(K)
-    losses = [step(torch.cat([tokens, labels[:, -1:]], dim=1))]
-    tokens, labels = batch(K + 1)
-    with torch.no_grad():
-        losses.append(mcore_loss(ddp, tokens, labels).item())
+    losses = next_two_losses(root, step, ddp)
     parallel_state.destroy_model_parallel()
     return losses, saved, buckets
 
@@ -140,6 +121,15 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, our
     optimizer = build_optimizer(chunks, cfg)
     assert load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False) == K
     loaded = our_state(chunks[0], optimizer)
+    # a file that does not fit this model's layout: one line naming it
+    from hf_megatron.errors import CheckpointError
+    path = tmp_path / f"megatron_lm/iter_{K:07d}/mp_rank_00/distrib_optim.pt"
+    (key, tensors), = file[0].items()
+    torch.save({**file, 0: {key: {**tensors, "exp_avg": tensors["exp_avg"][:-1]}}}, path)
+    with pytest.raises(CheckpointError, match=r"distrib_optim\.pt: grad buffer 0 exp_avg should be a 1-D tensor of "
+                                              rf"{tensors['numel_unpadded']} elements .*, got \({tensors['numel_unpadded'] - 1},\)"):
+        load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False)
+    torch.save(file, path)
     state.reset()
     assert sorted(loaded) == sorted(saved)
     for name, (main, exp_avg, exp_avg_sq) in saved.items():

@@ -214,7 +214,6 @@ def _megatron_lm_run(rank, world, root, dtype):
     """megatron-core trains K steps from its own init, writes iteration K as Megatron-LM's
     save_checkpoint would, then continues: (its losses at K+1 and K+2, its state at K by name)."""
     from megatron.core import parallel_state
-    from data_oracle import mcore_datasets
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
     root = Path(root)
@@ -236,8 +235,18 @@ def _megatron_lm_run(rank, world, root, dtype):
 
     for _ in range(K):  # any data: only the state after K steps matters
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
-    # generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
-    # opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)
+    write_megatron_lm_iteration(root, args, model, optimizer, scheduler)
+    saved = megatron_core_state(model, optimizer)
+    losses = next_two_losses(root, step, model)
+    parallel_state.destroy_model_parallel()
+    return losses, saved
+
+
+def write_megatron_lm_iteration(root: Path, args, model, optimizer, scheduler) -> Path:
+    """<root>/megatron_lm/iter_K/mp_rank_00/model_optim_rng.pt and the tracker, as Megatron-LM's
+    save_checkpoint writes them (torch format, generate_state_dict: args, checkpoint_version,
+    iteration, model, optimizer, opt_param_scheduler; rng_state left out, as with --no-save-rng:
+    no CUDA RNG on CPU); returns the rank folder."""
     args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
     folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
     folder.mkdir(parents=True)
@@ -246,9 +255,13 @@ def _megatron_lm_run(rank, world, root, dtype):
                 "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
                folder / "model_optim_rng.pt")
     (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
-    saved = megatron_core_state(model, optimizer)
+    return folder
 
-    # continue on the samples our loader gives after K * GBS (megatron-core's GPTDataset for the corpus)
+
+def next_two_losses(root: Path, step, model) -> list[float]:
+    """megatron-core continuing on the samples our loader gives after K * GBS (its GPTDataset for the
+    corpus): the loss of training step K+1 (`step`), then the loss at K+2 after that update."""
+    from data_oracle import mcore_datasets
     train, _, _ = mcore_datasets(([str(root / "corpus_text_document")], None), "90,10,0", SEQ, 1234,
                                  [(K + 2) * GBS, None, None])
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # global batch i+1: samples i*GBS .. (i+1)*GBS
@@ -260,8 +273,7 @@ def _megatron_lm_run(rank, world, root, dtype):
     tokens, labels = batch(K + 1)
     with torch.no_grad():
         losses.append(mcore_loss(model, tokens, labels).item())
-    parallel_state.destroy_model_parallel()
-    return losses, saved
+    return losses
 
 
 def _tensorboard_losses(folder: Path) -> dict[int, float]:
