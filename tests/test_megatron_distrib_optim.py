@@ -16,13 +16,15 @@ megatron-core's own (`DistributedOptimizer._get_main_param_and_optimizer_states`
 
 Cases: one bucket (Megatron-LM's default: no --overlap-grad-reduce), and --overlap-grad-reduce with a small
 --ddp-bucket-size (several buckets: the file drops each bucket's end padding, keeps the 64-element
-param alignment inside buckets).
+param alignment inside buckets); megatron-core at dp 1 and at dp 2 (each rank steps its shard,
+save_parameter_state gathers them on dp rank 0; its state is compared through every rank's shards),
+resumed by ours at dp 1 with either of our optimizers.
 
 megatron-core on CPU: exactly tests/test_megatron_optimizer.py's patches (`megatron_core_on_cpu` around
 building and stepping the optimizer: device='cuda' scalars made on CPU, CUDA type names for CPU tensors;
 `_cpu_stand_ins`: torch.cuda.current_device() -> "cpu", which also places DDP's grad buffers on CPU, and
-no CUDA RNG fork).  Nothing in DDP or the DistributedOptimizer is patched; its reduce-scatter and
-all-gather run on gloo, one process.
+no CUDA RNG fork).  Nothing in DDP or the DistributedOptimizer is patched; its reduce-scatter,
+all-gather and gather run on gloo.
 """
 from __future__ import annotations
 
@@ -67,44 +69,60 @@ def _megatron_lm_distributed_run(rank, world, root, bucket_size):
     ddp, optimizer = _ddp_and_optimizer(model, args)
     scheduler, gen = megatron_core_scheduler(optimizer), torch.Generator().manual_seed(5)
 
-    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch
+    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch, split over dp
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = mcore_loss(ddp, tokens[:, :-1], tokens[:, 1:])
+        mine = tokens.chunk(world)[rank]
+        loss = mcore_loss(ddp, mine[:, :-1], mine[:, 1:])
         loss.backward()
-        ddp.finish_grad_sync()
+        ddp.finish_grad_sync()  # grads averaged over dp (DDP's 1/dp scaling): the global batch's mean
         with megatron_core_on_cpu():
             updated, _, _ = optimizer.step()
         assert updated
         scheduler.step(increment=GBS)
-        return loss.item()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        return total.item() / world
 
     for _ in range(K):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
     buckets = [len(b.buckets) for b in ddp.buffers]
-    folder = write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
+    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
+    if rank == 0:  # dp rank 0 writes model_optim_rng.pt; the parameter state is gathered there (collective)
+        write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
+    torch.distributed.barrier()
     optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
     (inner,) = optimizer.chained_optimizers
-    saved = {}
-    for name, p in param_names(model).items():  # megatron-core's own accessor of a param's shard state
-        tensors = inner._get_main_param_and_optimizer_states(p)
-        saved[name] = (tensors["param"].detach().float().clone().view(p.shape),
-                       tensors["exp_avg"].clone().view(p.shape), tensors["exp_avg_sq"].clone().view(p.shape))
+    shards = {}  # this dp rank's part of each param, through megatron-core's own accessors
+    for name, p in param_names(model).items():
+        if p in inner.model_param_group_index_map:
+            tensors, where = inner._get_main_param_and_optimizer_states(p), inner._get_model_param_range_map(p)
+            shards[name] = (where["param"].start, p.numel(), *(tensors[k].detach().float().clone().reshape(-1)
+                                                                  for k in ("param", "exp_avg", "exp_avg_sq")))
 
     losses = next_two_losses(root, step, ddp)
     parallel_state.destroy_model_parallel()
-    return losses, saved, buckets
+    return losses, shards, buckets
 
 
-@pytest.mark.parametrize("arch, dtype, bucket_size, ours_distributed", [
-    ("gpt2", "fp32", None, True), ("qwen2", "bf16", 20000, False)])
-def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, ours_distributed, tmp_path):
+@pytest.mark.parametrize("arch, dtype, bucket_size, dp, ours_distributed", [
+    ("gpt2", "fp32", None, 1, True), ("qwen2", "bf16", 20000, 1, False),
+    ("qwen2", "fp32", 20000, 2, True)])
+def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp, ours_distributed, tmp_path):
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
     from train_cli import make_workspace
     make_workspace(tmp_path)
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
-    expected, saved, buckets = run_distributed(_megatron_lm_distributed_run, 1, (str(tmp_path), bucket_size))[0]
+    runs = run_distributed(_megatron_lm_distributed_run, dp, (str(tmp_path), bucket_size))
+    expected, _, buckets = runs[0]
+    saved = {}  # every param's (main weight, exp_avg, exp_avg_sq), flat, from the dp ranks' shards
+    for _, shards, _ in runs:
+        for name, (start, numel, *parts) in shards.items():
+            whole = saved.setdefault(name, [torch.full((numel,), float("nan")) for _ in parts])
+            for target, part in zip(whole, parts):
+                target[start:start + part.numel()] = part
+    assert not any(t.isnan().any() for whole in saved.values() for t in whole)
     assert buckets == ([1] if bucket_size is None else [buckets[0]]) and (bucket_size is None or buckets[0] > 2)
     file = safe_load(tmp_path / f"megatron_lm/iter_{K:07d}/mp_rank_00/distrib_optim.pt")
     assert file["buckets_coalesced"] is True and sorted(k for k in file if k != "buckets_coalesced") == [0]
@@ -135,7 +153,7 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, our
     for name, (main, exp_avg, exp_avg_sq) in saved.items():
         assert loaded[name][0] == float(K), name
         for got, want in zip((loaded[name][3], loaded[name][1], loaded[name][2]), (main, exp_avg, exp_avg_sq)):
-            assert torch.equal(got.reshape(-1), want.reshape(-1)), name  # (our distributed optimizer's are flat)
+            assert torch.equal(got.reshape(-1), want), name
 
     ours = resume_with_train(tmp_path, dtype, *(["--use-distributed-optimizer"] if ours_distributed else []))
     tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
