@@ -159,3 +159,52 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp,
     tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
     assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights
     assert ours[K + 2] == pytest.approx(expected[1], rel=tolerance)  # one update with the loaded moments
+
+
+# ---------------------------------------------------------------- the layout rule alone, many bucket sizes
+
+def _megatron_core_buffer_offsets(rank, world, cases):
+    """For each (bucket_size, shared embedding): megatron-core's DDP buffer for a fresh tiny GPTModel, and
+    where each param lands in save_parameter_state's coalesced tensor (buckets' unpadded lengths
+    concatenated) -- from its own param_index_map / bucket_indices / numel_unpadded -- and ours."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from hf_megatron.training.megatron_distrib_optim import buffer_layout
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    out = []
+    for bucket_size, shared in cases:
+        config = TransformerConfig(num_layers=2, hidden_size=40, num_attention_heads=4, use_cpu_initialization=True,
+                                   add_bias_linear=True, gradient_accumulation_fusion=False)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=200, max_sequence_length=32)
+        params = [p for p in model.parameters() if p.requires_grad]
+        alone = {id(model.embedding.word_embeddings.weight)} if shared else set()
+        if shared:  # what Megatron-LM marks on a pp > 1 stage holding a tied word embedding
+            model.embedding.word_embeddings.weight.shared_embedding = True
+        ours = buffer_layout(params, bucket_size, alone)  # before DDP replaces the params' storage
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size or 10 ** 12), model)
+        (buffer,) = ddp.buffers
+        before = [0]
+        for bucket in buffer.buckets:
+            before.append(before[-1] + bucket.numel_unpadded)
+        theirs = {}
+        for p in params:
+            start, _, b = buffer.param_index_map[p]
+            theirs[id(p)] = before[b] + start - buffer.bucket_indices[b][0]
+        out.append((ours, (theirs, buffer.numel_unpadded), len(buffer.buckets)))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_buffer_layout_is_megatron_cores_for_any_bucket_size():
+    cases = [(None, False), (1, False), (700, False), (5000, False), (20000, True), (None, True), (1, True)]
+    results = run_distributed(_megatron_core_buffer_offsets, 1, (cases,))[0]
+    for (bucket_size, shared), (ours, theirs, buckets) in zip(cases, results):
+        assert ours == theirs, (bucket_size, shared)
+    buckets = [b for *_, b in results]
+    assert buckets[0] == 1 and buckets[1] > buckets[2] > buckets[3] > 1  # one param per bucket at size 1
+    assert buckets[5] == 2  # the shared embedding alone (it is the buffer's last param: reverse order)
