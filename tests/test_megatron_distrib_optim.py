@@ -108,7 +108,7 @@ def _megatron_lm_distributed_run(rank, world, root, bucket_size):
 @pytest.mark.parametrize("arch, dtype, bucket_size, dp, ours_distributed", [
     ("gpt2", "fp32", None, 1, True), ("qwen2", "bf16", 20000, 1, False),
     ("qwen2", "fp32", 20000, 2, True)])
-def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp, ours_distributed, tmp_path):
+def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp, ours_distributed, tmp_path, capsys):
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
     from train_cli import make_workspace
@@ -149,6 +149,13 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp,
         load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False)
     torch.save(file, path)
     state.reset()
+    if arch == "gpt2":  # reshard does not read this layout: one line saying so
+        from hf_megatron import cli
+        capsys.readouterr()
+        code = cli.main(["reshard", "--src", str(tmp_path / f"megatron_lm/iter_{K:07d}"), "--out", str(tmp_path / "re"),
+                         "--tp", "1", "--pp", "1", "--with-optimizer"])
+        err = capsys.readouterr().err
+        assert code != 0 and "distrib_optim.pt is megatron-core's DistributedOptimizer layout, which reshard" in err, err
     assert sorted(loaded) == sorted(saved)
     for name, (main, exp_avg, exp_avg_sq) in saved.items():
         assert loaded[name][0] == float(K), name
