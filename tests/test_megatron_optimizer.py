@@ -214,7 +214,6 @@ def _megatron_lm_run(rank, world, root, dtype):
     """megatron-core trains K steps from its own init, writes iteration K as Megatron-LM's
     save_checkpoint would, then continues: (its losses at K+1 and K+2, its state at K by name)."""
     from megatron.core import parallel_state
-    from data_oracle import mcore_datasets
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
     root = Path(root)
@@ -236,8 +235,18 @@ def _megatron_lm_run(rank, world, root, dtype):
 
     for _ in range(K):  # any data: only the state after K steps matters
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
-    # generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
-    # opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)
+    write_megatron_lm_iteration(root, args, model, optimizer, scheduler)
+    saved = megatron_core_state(model, optimizer)
+    losses = next_two_losses(root, step, model)
+    parallel_state.destroy_model_parallel()
+    return losses, saved
+
+
+def write_megatron_lm_iteration(root: Path, args, model, optimizer, scheduler) -> Path:
+    """<root>/megatron_lm/iter_K/mp_rank_00/model_optim_rng.pt and the tracker, as Megatron-LM's
+    save_checkpoint writes them (torch format, generate_state_dict: args, checkpoint_version,
+    iteration, model, optimizer, opt_param_scheduler; rng_state left out, as with --no-save-rng:
+    no CUDA RNG on CPU); returns the rank folder."""
     args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
     folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
     folder.mkdir(parents=True)
@@ -246,9 +255,13 @@ def _megatron_lm_run(rank, world, root, dtype):
                 "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
                folder / "model_optim_rng.pt")
     (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
-    saved = megatron_core_state(model, optimizer)
+    return folder
 
-    # continue on the samples our loader gives after K * GBS (megatron-core's GPTDataset for the corpus)
+
+def next_two_losses(root: Path, step, model) -> list[float]:
+    """megatron-core continuing on the samples our loader gives after K * GBS (its GPTDataset for the
+    corpus): the loss of training step K+1 (`step`), then the loss at K+2 after that update."""
+    from data_oracle import mcore_datasets
     train, _, _ = mcore_datasets(([str(root / "corpus_text_document")], None), "90,10,0", SEQ, 1234,
                                  [(K + 2) * GBS, None, None])
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:  # global batch i+1: samples i*GBS .. (i+1)*GBS
@@ -260,8 +273,7 @@ def _megatron_lm_run(rank, world, root, dtype):
     tokens, labels = batch(K + 1)
     with torch.no_grad():
         losses.append(mcore_loss(model, tokens, labels).item())
-    parallel_state.destroy_model_parallel()
-    return losses, saved
+    return losses
 
 
 def _tensorboard_losses(folder: Path) -> dict[int, float]:
@@ -271,28 +283,35 @@ def _tensorboard_losses(folder: Path) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars("lm loss")}
 
 
+def resume_with_train(tmp_path: Path, dtype: str, *extra) -> dict[int, float]:
+    """`hf-megatron train --load <tmp_path>/megatron_lm` to iteration K+2 with the run's hyper-parameters;
+    its losses by iteration (it must resume at K+1)."""
+    from train_cli import cli_inprocess
+    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
+             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
+             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
+             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
+             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
+             *(["--bf16"] if dtype == "bf16" else []), *extra]
+    code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
+                                   "--tensorboard-dir", tmp_path / "tb", *flags)
+    assert code == 0, err[-3000:]
+    assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
+    return _tensorboard_losses(tmp_path / "tb")
+
+
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype, tmp_path):
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
-    from train_cli import cli_inprocess, make_workspace
+    from train_cli import make_workspace
     make_workspace(tmp_path)
     # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
     expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype))[0]
 
-    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
-             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
-             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
-             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
-             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
-             *(["--bf16"] if dtype == "bf16" else [])]
-    code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
-                                   "--tensorboard-dir", tmp_path / "tb", *flags)
-    assert code == 0, err[-3000:]
-    assert f"iteration      {K + 1}/{K + 2}" in out and "iteration      1/" not in out
-    ours = _tensorboard_losses(tmp_path / "tb")
+    ours = resume_with_train(tmp_path, dtype)
     # measured: fp32 1.6e-7 and 0; bf16 4e-5 and 8e-6 (two implementations' bf16 rounding)
     tolerance = 1e-6 if dtype == "fp32" else 1e-3
     assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights

@@ -10,7 +10,8 @@ format itself -- folder names, the rank file, staging, safe loading -- is hf_meg
 Each model-parallel rank (tp, pp) with data-parallel rank 0 writes its own file, with layer
 numbers local to its pipeline stage.  The distributed optimizer (`sharded = True`) keeps param
 groups and loss scaler in model_optim_rng.pt and its main weights and Adam moments, gathered
-over dp onto dp rank 0, in `distrib_optim.pt` next to it (Megatron-LM's layout).  Loading also
+over dp onto dp rank 0, in `distrib_optim.pt` next to it (our flat layout, optimizer_state.py;
+megatron-core's grad-buffer layout is read too, megatron_distrib_optim.py).  Loading also
 takes the former ZeRO-1's per-dp-rank `optim_dp_RRR.pt` files, into either optimizer.  All
 files go to a staging folder first, which replaces the iteration folder in one step after every rank is done (also when that iteration
 was saved before); then the tracker file is replaced: a crash never leaves a checkpoint that
@@ -40,6 +41,7 @@ from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
+from .megatron_distrib_optim import is_megatron_distrib_optim, parameter_state_from_megatron
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
 
@@ -227,7 +229,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
             raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
                                   f"unexpected {result.unexpected_keys[:4]}")
     if optimizer is not None:
-        _load_optimizer_state(optimizer, payload, path)
+        _load_optimizer_state(optimizer, payload, path, pp_rank)
     if scheduler is not None and isinstance(payload.get("opt_param_scheduler"), dict):
         if scheduler_policy == "load":
             scheduler.load_state_dict(payload["opt_param_scheduler"])
@@ -249,7 +251,7 @@ def restore_rng(saved) -> bool:
     return True
 
 
-def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
+def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0) -> None:
     """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
     distrib_optim.pt (the distributed optimizer), the former ZeRO-1's optim_dp_RRR.pt files,
     or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
@@ -258,7 +260,12 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
     if (folder / DISTRIB_OPTIM_FILE).is_file():
         if "optimizer" not in payload:
             raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
-        optimizer.load_state_dict(payload["optimizer"], parameter_state=safe_load(folder / DISTRIB_OPTIM_FILE))
+        parameter_state = safe_load(folder / DISTRIB_OPTIM_FILE)
+        if is_megatron_distrib_optim(parameter_state):  # megatron-core's grad-buffer layout, not ours
+            parameter_state = parameter_state_from_megatron(
+                parameter_state, payload["optimizer"], optimizer.chunks, optimizer.model_params, payload.get("args"),
+                pp_rank, folder / DISTRIB_OPTIM_FILE)
+        optimizer.load_state_dict(payload["optimizer"], parameter_state=parameter_state)
     elif zero1_files:
         if [f.name for f in zero1_files] != [optim_file_name(r) for r in range(len(zero1_files))]:
             raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1_files]} are not "

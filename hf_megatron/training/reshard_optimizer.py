@@ -41,6 +41,7 @@ from ..errors import CheckpointError
 from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
 from .checkpoint import DISTRIB_OPTIM_FILE
+from .megatron_distrib_optim import is_megatron_distrib_optim
 from .optimizer import param_groups
 from .megatron_optimizer_layout import is_megatron_layout, megatron_groups
 from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
@@ -169,6 +170,10 @@ class SourceOptimizer:
         try:
             if (folder / DISTRIB_OPTIM_FILE).is_file():
                 ps = safe_load(folder / DISTRIB_OPTIM_FILE, mmap=True)
+                if is_megatron_distrib_optim(ps):  # its layout needs the model's modules (megatron_distrib_optim.py)
+                    raise CheckpointError("distrib_optim.pt is megatron-core's DistributedOptimizer layout, which "
+                                          "reshard does not read; resume it once with `hf-megatron train --load` "
+                                          "and reshard that checkpoint")
                 check_parameter_state(ps, model_params)
                 return ps
             if zero1:

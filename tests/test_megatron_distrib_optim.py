@@ -1,0 +1,218 @@
+"""megatron-core 0.16.1's distributed optimizer checkpoint (distrib_optim.pt, --ckpt-format torch) resumed by
+`hf-megatron train --load`.
+
+megatron-core trains its GPTModel K AdamW steps wrapped as Megatron-LM's `get_model` / `setup_model_and_-
+optimizer` do with --use-distributed-optimizer: Float16Module for bf16, then its DistributedDataParallel
+(use_distributed_optimizer, grad_reduce_in_fp32 for bf16 as Megatron-LM's --bf16 implies), its
+`get_megatron_optimizer` (a ChainedOptimizer around one DistributedOptimizer) and OptimizerParamScheduler;
+each step is Megatron-LM's train_step on one global batch (zero_grad_buffer, backward,
+finish_grad_sync, step).  The checkpoint is what Megatron-LM's `save_checkpoint` writes for ckpt_format
+torch (megatron/training/checkpointing.py at core_v0.16.1): model_optim_rng.pt from `generate_state_dict`
+(optimizer entry = `optimizer.state_dict()`, params-free groups with the step) and
+`optimizer.save_parameter_state(<rank dir>/distrib_optim.pt)`.  Then `train --load` (our distributed
+optimizer, or our plain one) resumes it; its losses at K+1 and K+2 equal megatron-core continuing its own
+run on the same samples, and every param's main weight and Adam moments as our reader placed them equal
+megatron-core's own (`DistributedOptimizer._get_main_param_and_optimizer_states`), name by name.
+
+Cases: one bucket (Megatron-LM's default: no --overlap-grad-reduce), and --overlap-grad-reduce with a small
+--ddp-bucket-size (several buckets: the file drops each bucket's end padding, keeps the 64-element
+param alignment inside buckets); megatron-core at dp 1 and at dp 2 (each rank steps its shard,
+save_parameter_state gathers them on dp rank 0; its state is compared through every rank's shards),
+resumed by ours at dp 1 with either of our optimizers.
+
+megatron-core on CPU: exactly tests/test_megatron_optimizer.py's patches (`megatron_core_on_cpu` around
+building and stepping the optimizer: device='cuda' scalars made on CPU, CUDA type names for CPU tensors;
+`_cpu_stand_ins`: torch.cuda.current_device() -> "cpu", which also places DDP's grad buffers on CPU, and
+no CUDA RNG fork).  Nothing in DDP or the DistributedOptimizer is patched; its reduce-scatter,
+all-gather and gather run on gloo.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist import run_distributed
+from hf_megatron.checkpoint.unpickle import safe_load
+from test_megatron_optimizer import (GBS, HP, K, PADDED_VOCAB, SEQ, VOCAB, _cpu_stand_ins, mcore_loss, mcore_model,
+                                     megatron_core_on_cpu, megatron_core_scheduler, next_two_losses, our_state, param_names,
+                                     resume_with_train, write_megatron_lm_iteration)
+
+
+def _ddp_and_optimizer(model, args):
+    """What Megatron-LM's get_model + get_megatron_optimizer build with --use-distributed-optimizer."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=args.bf16,
+                                               overlap_grad_reduce=args.overlap_grad_reduce,
+                                               bucket_size=args.ddp_bucket_size)
+    ddp = DistributedDataParallel(getattr(model, "module", model).config, ddp_config, model)
+    config = OptimizerConfig(optimizer="adam", lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+                             adam_beta1=HP["beta1"], adam_beta2=HP["beta2"], adam_eps=HP["eps"],
+                             clip_grad=HP["clip_grad"], bf16=args.bf16, fp16=args.fp16, params_dtype=args.params_dtype,
+                             use_distributed_optimizer=True)
+    with megatron_core_on_cpu():
+        return ddp, get_megatron_optimizer(config, [ddp])
+
+
+def _megatron_lm_distributed_run(rank, world, root, bucket_size):
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    root = Path(root)
+    args = safe_load(root / "converted/release/mp_rank_00/model_optim_rng.pt")["args"]
+    args.use_distributed_optimizer, args.data_parallel_size = True, world
+    args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
+    torch.manual_seed(3)
+    model = mcore_model(args)
+    ddp, optimizer = _ddp_and_optimizer(model, args)
+    scheduler, gen = megatron_core_scheduler(optimizer), torch.Generator().manual_seed(5)
+
+    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch, split over dp
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        mine = tokens.chunk(world)[rank]
+        loss = mcore_loss(ddp, mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        ddp.finish_grad_sync()  # grads averaged over dp (DDP's 1/dp scaling): the global batch's mean
+        with megatron_core_on_cpu():
+            updated, _, _ = optimizer.step()
+        assert updated
+        scheduler.step(increment=GBS)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        return total.item() / world
+
+    for _ in range(K):
+        step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
+    buckets = [len(b.buckets) for b in ddp.buffers]
+    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
+    if rank == 0:  # dp rank 0 writes model_optim_rng.pt; the parameter state is gathered there (collective)
+        write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
+    torch.distributed.barrier()
+    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    (inner,) = optimizer.chained_optimizers
+    shards = {}  # this dp rank's part of each param, through megatron-core's own accessors
+    for name, p in param_names(model).items():
+        if p in inner.model_param_group_index_map:
+            tensors, where = inner._get_main_param_and_optimizer_states(p), inner._get_model_param_range_map(p)
+            shards[name] = (where["param"].start, p.numel(), *(tensors[k].detach().float().clone().reshape(-1)
+                                                                  for k in ("param", "exp_avg", "exp_avg_sq")))
+
+    losses = next_two_losses(root, step, ddp)
+    parallel_state.destroy_model_parallel()
+    return losses, shards, buckets
+
+
+@pytest.mark.parametrize("arch, dtype, bucket_size, dp, ours_distributed", [
+    ("gpt2", "fp32", None, 1, True), ("qwen2", "bf16", 20000, 1, False),
+    ("qwen2", "fp32", 20000, 2, True)])
+def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp, ours_distributed, tmp_path, capsys):
+    from hf_megatron.conversion.convert import hf_to_megatron
+    from test_convert_helpers import save_hf
+    from train_cli import make_workspace
+    make_workspace(tmp_path)
+    hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
+    runs = run_distributed(_megatron_lm_distributed_run, dp, (str(tmp_path), bucket_size))
+    expected, _, buckets = runs[0]
+    saved = {}  # every param's (main weight, exp_avg, exp_avg_sq), flat, from the dp ranks' shards
+    for _, shards, _ in runs:
+        for name, (start, numel, *parts) in shards.items():
+            whole = saved.setdefault(name, [torch.full((numel,), float("nan")) for _ in parts])
+            for target, part in zip(whole, parts):
+                target[start:start + part.numel()] = part
+    assert not any(t.isnan().any() for whole in saved.values() for t in whole)
+    assert buckets == ([1] if bucket_size is None else [buckets[0]]) and (bucket_size is None or buckets[0] > 2)
+    file = safe_load(tmp_path / f"megatron_lm/iter_{K:07d}/mp_rank_00/distrib_optim.pt")
+    assert file["buckets_coalesced"] is True and sorted(k for k in file if k != "buckets_coalesced") == [0]
+
+    # what our reader placed is megatron-core's state, name by name, exactly
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    cfg = training_config({"zero": ours_distributed}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    loaded = our_state(chunks[0], optimizer)
+    # a file that does not fit this model's layout: one line naming it
+    from hf_megatron.errors import CheckpointError
+    path = tmp_path / f"megatron_lm/iter_{K:07d}/mp_rank_00/distrib_optim.pt"
+    (key, tensors), = file[0].items()
+    torch.save({**file, 0: {key: {**tensors, "exp_avg": tensors["exp_avg"][:-1]}}}, path)
+    with pytest.raises(CheckpointError, match=r"distrib_optim\.pt: grad buffer 0 exp_avg should be a 1-D tensor of "
+                                              rf"{tensors['numel_unpadded']} elements .*, got \({tensors['numel_unpadded'] - 1},\)"):
+        load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False)
+    torch.save(file, path)
+    state.reset()
+    if arch == "gpt2":  # reshard does not read this layout: one line saying so
+        from hf_megatron import cli
+        capsys.readouterr()
+        code = cli.main(["reshard", "--src", str(tmp_path / f"megatron_lm/iter_{K:07d}"), "--out", str(tmp_path / "re"),
+                         "--tp", "1", "--pp", "1", "--with-optimizer"])
+        err = capsys.readouterr().err
+        assert code != 0 and "distrib_optim.pt is megatron-core's DistributedOptimizer layout, which reshard" in err, err
+    assert sorted(loaded) == sorted(saved)
+    for name, (main, exp_avg, exp_avg_sq) in saved.items():
+        assert loaded[name][0] == float(K), name
+        for got, want in zip((loaded[name][3], loaded[name][1], loaded[name][2]), (main, exp_avg, exp_avg_sq)):
+            assert torch.equal(got.reshape(-1), want), name
+
+    ours = resume_with_train(tmp_path, dtype, *(["--use-distributed-optimizer"] if ours_distributed else []))
+    # measured (K+1, K+2): gpt2 fp32 dp1 8e-8, 0; qwen2 bf16 4.3e-5, 8.3e-6; qwen2 fp32 dp2 0, 8e-8
+    tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
+    assert ours[K + 1] == pytest.approx(expected[0], rel=tolerance)  # the loaded weights
+    assert ours[K + 2] == pytest.approx(expected[1], rel=tolerance)  # one update with the loaded moments
+
+
+# ---------------------------------------------------------------- the layout rule alone, many bucket sizes
+
+def _megatron_core_buffer_offsets(rank, world, cases):
+    """For each (bucket_size, shared embedding): megatron-core's DDP buffer for a fresh tiny GPTModel, and
+    where each param lands in save_parameter_state's coalesced tensor (buckets' unpadded lengths
+    concatenated) -- from its own param_index_map / bucket_indices / numel_unpadded -- and ours."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from hf_megatron.training.megatron_distrib_optim import buffer_layout
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    out = []
+    for bucket_size, shared in cases:
+        config = TransformerConfig(num_layers=2, hidden_size=40, num_attention_heads=4, use_cpu_initialization=True,
+                                   add_bias_linear=True, gradient_accumulation_fusion=False)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=200, max_sequence_length=32)
+        params = [p for p in model.parameters() if p.requires_grad]
+        alone = {id(model.embedding.word_embeddings.weight)} if shared else set()
+        if shared:  # what Megatron-LM marks on a pp > 1 stage holding a tied word embedding
+            model.embedding.word_embeddings.weight.shared_embedding = True
+        ours = buffer_layout(params, bucket_size, alone)  # before DDP replaces the params' storage
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=bucket_size or 10 ** 12), model)
+        (buffer,) = ddp.buffers
+        before = [0]
+        for bucket in buffer.buckets:
+            before.append(before[-1] + bucket.numel_unpadded)
+        theirs = {}
+        for p in params:
+            start, _, b = buffer.param_index_map[p]
+            theirs[id(p)] = before[b] + start - buffer.bucket_indices[b][0]
+        out.append((ours, (theirs, buffer.numel_unpadded), len(buffer.buckets)))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def test_buffer_layout_is_megatron_cores_for_any_bucket_size():
+    cases = [(None, False), (1, False), (700, False), (5000, False), (20000, True), (None, True), (1, True)]
+    results = run_distributed(_megatron_core_buffer_offsets, 1, (cases,))[0]
+    for (bucket_size, shared), (ours, theirs, buckets) in zip(cases, results):
+        assert ours == theirs, (bucket_size, shared)
+    buckets = [b for *_, b in results]
+    assert buckets[0] == 1 and buckets[1] > buckets[2] > buckets[3] > 1  # one param per bucket at size 1
+    assert buckets[5] == 2  # the shared embedding alone (it is the buffer's last param: reverse order)
