@@ -210,9 +210,22 @@ def _check_megatron_core_holds_ours(got, dtype, kind):
 
 # ---------------------------------------------------------------- Megatron-LM -> ours
 
-def _megatron_lm_run(rank, world, root, dtype):
+def save_torch_format(folder: Path, args, model, optimizer, scheduler) -> None:
+    """generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
+    opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)."""
+    args.ckpt_format = "torch"
+    folder = folder / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
+               folder / "model_optim_rng.pt")
+
+
+def _megatron_lm_run(rank, world, root, dtype, save=save_torch_format):
     """megatron-core trains K steps from its own init, writes iteration K as Megatron-LM's
-    save_checkpoint would, then continues: (its losses at K+1 and K+2, its state at K by name)."""
+    save_checkpoint would (`save(iteration folder, args, model, optimizer, scheduler)`), then
+    continues: (its losses at K+1 and K+2, its state at K by name)."""
     from megatron.core import parallel_state
     from data_oracle import mcore_datasets
     parallel_state.initialize_model_parallel(1, 1)
@@ -236,15 +249,8 @@ def _megatron_lm_run(rank, world, root, dtype):
 
     for _ in range(K):  # any data: only the state after K steps matters
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
-    # generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
-    # opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)
-    args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
-    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
-    folder.mkdir(parents=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
-                "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
-                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
-               folder / "model_optim_rng.pt")
+    args.iteration, args.consumed_train_samples, args.no_save_rng = K, K * GBS, True
+    save(root / "megatron_lm" / f"iter_{K:07d}", args, model, optimizer, scheduler)
     (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
     saved = megatron_core_state(model, optimizer)
 
@@ -273,6 +279,12 @@ def _tensorboard_losses(folder: Path) -> dict[int, float]:
 
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype, tmp_path):
+    check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_format)
+
+
+def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> None:
+    """megatron-core's run saved by `save` (see _megatron_lm_run); `hf-megatron train --load` continues
+    it with megatron-core's next two losses, and our reader holds its optimizer state exactly."""
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
     from train_cli import cli_inprocess, make_workspace
@@ -280,7 +292,7 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
     # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
-    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype))[0]
+    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype, save))[0]
 
     flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
              "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],

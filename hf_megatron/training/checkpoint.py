@@ -42,6 +42,7 @@ from ..parallel import state
 from ..parallel.random import get_tracker
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
+from .torch_dist_resume import is_torch_dist_folder, read_torch_dist
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
@@ -209,10 +210,14 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     the file's non-tensor entries (iteration, args, consumed_train_samples, ..., rng_state)."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
-    payload, iteration, path = read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
+    folder, resolved = resolve_iteration_dir(load_dir, iteration)
+    torch_dist = is_torch_dist_folder(folder)  # megatron-core's global tensors: any layout (torch_dist_resume.py)
+    payload, iteration, path = read_torch_dist(folder, resolved, chunks, optimizer) if torch_dist else \
+        read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
     if info is not None:
         info.update(info_entries(payload), rng_state=payload.get("rng_state"), path=path)
-    _check_layout(payload.get("args"), path)
+    if not torch_dist:
+        _check_layout(payload.get("args"), path)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
