@@ -282,9 +282,20 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
     check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_format)
 
 
-def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> None:
+def resume_flags(tmp_path, dtype) -> list:
+    """The flags of megatron-core's run in _megatron_lm_run (data, batch, schedule, AdamW, clipping)."""
+    return ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
+            "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
+            "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
+            "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
+            "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
+            *(["--bf16"] if dtype == "bf16" else [])]
+
+
+def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> dict:
     """megatron-core's run saved by `save` (see _megatron_lm_run); `hf-megatron train --load` continues
-    it with megatron-core's next two losses, and our reader holds its optimizer state exactly."""
+    it with megatron-core's next two losses, and our reader holds its optimizer state exactly.
+    Returns megatron-core's state at iteration K by name (megatron_core_state)."""
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
     from train_cli import cli_inprocess, make_workspace
@@ -293,13 +304,7 @@ def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> None:
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
     expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype, save))[0]
-
-    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
-             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
-             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
-             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
-             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
-             *(["--bf16"] if dtype == "bf16" else [])]
+    flags = resume_flags(tmp_path, dtype)
     code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
                                    "--tensorboard-dir", tmp_path / "tb", *flags)
     assert code == 0, err[-3000:]
@@ -328,6 +333,7 @@ def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> None:
         assert loaded[name][0] == step == float(K), name
         assert torch.equal(loaded[name][1], exp_avg) and torch.equal(loaded[name][2], exp_avg_sq), name
         assert torch.equal(loaded[name][3], main), name
+    return saved
 
 
 # ---------------------------------------------------------------- our readers (no megatron-core)

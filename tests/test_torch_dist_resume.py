@@ -38,6 +38,51 @@ def save_torch_dist(folder: Path, args, model, optimizer, scheduler) -> None:
         torch.cuda.synchronize = synchronize
 
 
+def _load_in_tp(rank, world, root, arch, dtype, saved):
+    """Our reader with tensor parallelism (the checkpoint was saved with tp=1): every param's moments,
+    step and main weight are this rank's TP shard of megatron-core's; [] when all are."""
+    from hf_megatron.parallel import state
+    from hf_megatron.parallel.sharding import split_tensor
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from test_megatron_optimizer import PADDED_VOCAB, our_state
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    cfg = training_config({"tp": world}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(Path(root) / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    loaded, config = our_state(chunks[0], optimizer), chunks[0].config
+    state.reset()
+    wrong = [] if sorted(loaded) == sorted(saved) else ["names differ"]
+    for name, (step, *tensors) in saved.items():
+        shards = [split_tensor(name, t, config, world)[rank] for t in tensors]
+        if loaded[name][0] != step or not all(torch.equal(a, b) for a, b in zip(loaded[name][1:], shards)):
+            wrong.append(name)
+    return wrong
+
+
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path):
-    check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_dist)
+    from dist import run_distributed
+    saved = check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_dist)
+    if dtype == "bf16":  # another layout than the saved one: torch_dist holds global tensors
+        assert run_distributed(_load_in_tp, 2, (str(tmp_path), arch, dtype, saved)) == [[], []]
+        return
+    # without its optimizer state: refused in one line unless --no-load-optim says so
+    from hf_megatron.checkpoint.unpickle import safe_load
+    from test_megatron_optimizer import resume_flags
+    from train_cli import cli_inprocess
+    common_file = tmp_path / "megatron_lm" / f"iter_{K:07d}" / "common.pt"
+    common = safe_load(common_file)
+    del common["optimizer"]
+    torch.save(common, common_file)
+    args = ("--load", tmp_path / "megatron_lm", "--train-iters", K + 1, *resume_flags(tmp_path, dtype))
+    code, out, err = cli_inprocess(*args)
+    assert code != 0
+    assert f"{common_file}: holds no optimizer state" in err and "--no-load-optim" in err
+    assert len(err.strip().splitlines()) == 1, err
+    code, out, err = cli_inprocess(*args, "--no-load-optim")
+    assert code == 0, err[-3000:]
+    assert f"iteration      {K + 1}/{K + 1}" in out
