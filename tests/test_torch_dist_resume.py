@@ -86,3 +86,9 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path
     code, out, err = cli_inprocess(*args, "--no-load-optim")
     assert code == 0, err[-3000:]
     assert f"iteration      {K + 1}/{K + 1}" in out
+    # megatron-core's distributed optimizer's entry (what remains of it in common.pt): refused, not reset
+    common["optimizer"] = {"param_state": {}, "param_state_sharding_type": "dp_reshardable"}
+    torch.save(common, common_file)
+    code, out, err = cli_inprocess(*args)
+    assert code != 0 and len(err.strip().splitlines()) == 1, err
+    assert "distributed optimizer (param_state_sharding_type 'dp_reshardable') is not read" in err

@@ -17,6 +17,10 @@ What such an iteration folder holds (`generate_state_dict` with use_dist_ckpt, n
                     Float16Opt...:   {"optimizer": {"state": {"common_step"}, "param_groups"}, "grad_scaler"?}
                 param groups without their `params` lists (megatron-core saves those as non-persistent)
 
+megatron-core's ChainedOptimizer of one optimizer (a dense model) saves its one optimizer's entry as is.
+The distributed optimizer's entry (`param_state_sharding_type`, Megatron-LM's default 'dp_reshardable':
+flat buffers cut per dp rank) is refused in one line: resume it with --no-load-optim.
+
 `read_torch_dist` turns that into what a torch-format rank file of this rank would hold: every model
 chunk's tensors (cut for this rank's TP shard and pipeline stage) and the optimizer entry in
 Megatron-LM's torch layout (megatron_optimizer_layout.py), its state indices numbered in megatron-core's
@@ -80,6 +84,10 @@ def _optimizer_entry(ckpt: TorchDistCheckpoint, saved: Any, chunks, optimizer, w
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where}: holds no optimizer state (saved with --no-save-optim?); load it "
                               "without an optimizer (--no-load-optim or --finetune)")
+    if "param_state_sharding_type" in saved:  # DistributedOptimizer: flat per-dp-rank buffers, not read yet
+        raise CheckpointError(f"{where}: optimizer state of megatron-core's distributed optimizer (param_state_"
+                              f"sharding_type {saved['param_state_sharding_type']!r}) is not read; resume with "
+                              "--no-load-optim (weights, iteration, data position) or save with --ckpt-format torch")
     float16 = "param_groups" not in saved
     inner = saved.get("optimizer") if float16 else saved
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) \
