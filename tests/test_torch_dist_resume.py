@@ -10,7 +10,10 @@ megatron-core's next losses and holds its Adam moments, step and fp32 main weigh
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -21,15 +24,30 @@ from test_megatron_optimizer import K, check_train_resumes_megatron_lm
 SHARDED_SD_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+def megatron_lm_rng_state() -> dict:
+    """Megatron-LM's get_rng_state entry.  No CUDA here: the CPU generator's state stands in for
+    cuda_rng_state (a restore sets that only on CUDA); megatron-core's tracker holds no stream on CPU."""
+    from megatron.core import tensor_parallel
+    return {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": torch.get_rng_state(),
+            "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
 def save_torch_dist(folder: Path, args, model, optimizer, scheduler) -> None:
     from megatron.core import dist_checkpointing
-    args.ckpt_format = "torch_dist"
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    args.ckpt_format, args.no_save_rng = "torch_dist", False
     state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": K}
+    folder.mkdir(parents=True)
+    random.seed(11), np.random.seed(12), torch.manual_seed(13)  # states no other step of the test has
+    rng_state = [megatron_lm_rng_state()]
+    torch.save(rng_state, folder.parent / "rng_state_saved.pt")  # for the test to compare with
+    # get_rng_state with use_dist_ckpt: one object on the (pp, tp) grid, dp ranks replicas
+    state_dict["rng_state"] = ShardedObject("rng_state", rng_state, (1, 1), (0, 0), replica_id=0)
     state_dict["model"] = model.sharded_state_dict(metadata=SHARDED_SD_METADATA)
     state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=SHARDED_SD_METADATA)
     state_dict["opt_param_scheduler"] = scheduler.state_dict()
     state_dict["num_floating_point_operations_so_far"] = 0
-    folder.mkdir(parents=True)
     synchronize = torch.cuda.synchronize  # its writer waits for CUDA copies before writing: none on CPU
     torch.cuda.synchronize = lambda *a, **k: None
     try:
@@ -63,10 +81,34 @@ def _load_in_tp(rank, world, root, arch, dtype, saved):
     return wrong
 
 
+def _check_rng_restored(tmp_path: Path, arch: str, dtype: str) -> None:
+    """load_checkpoint sets Python's, numpy's and torch's generators to what Megatron-LM saved."""
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from test_megatron_optimizer import PADDED_VOCAB
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    saved = torch.load(tmp_path / "megatron_lm" / "rng_state_saved.pt", weights_only=False)[0]
+    cfg = training_config({}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    info = {}
+    load_checkpoint(tmp_path / "megatron_lm", chunks, None, load_rng=True, info=info)
+    state.reset()
+    assert random.getstate() == saved["random_rng_state"]
+    got, want = np.random.get_state(), saved["np_rng_state"]
+    assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2:] == want[2:]
+    assert torch.equal(torch.get_rng_state(), saved["torch_rng_state"])
+    assert info["rng_state"][0]["rng_tracker_states"] == saved["rng_tracker_states"]
+
+
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path):
     from dist import run_distributed
     saved = check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_dist)
+    _check_rng_restored(tmp_path, arch, dtype)
     if dtype == "bf16":  # another layout than the saved one: torch_dist holds global tensors
         assert run_distributed(_load_in_tp, 2, (str(tmp_path), arch, dtype, saved)) == [[], []]
         return

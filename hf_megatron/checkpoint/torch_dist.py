@@ -165,10 +165,14 @@ class TorchDistCheckpoint(CheckpointReader):
         for key, md in entries.items():
             if isinstance(md, dcp_metadata.BytesStorageMetadata) and key.split(".")[0] in ("args", "iteration",
                                                                                              "checkpoint_version"):
-                common[key.split(".")[0]] = self._load({key: None}, ChunkPlanner(key))[key]
+                common[key.split(".")[0]] = self.read_object(key)
         if "args" not in common:
             raise CheckpointError(f"{self.folder}: no common.pt and no 'args' entry; cannot tell the architecture")
         return common
+
+    def read_object(self, key: str):
+        """A byte entry (megatron-core's ShardedObject, common state), through safe_load."""
+        return self._load({key: None}, ChunkPlanner(key))[key]
 
     def _load(self, state: dict, planner: ChunkPlanner) -> dict:
         try:

@@ -16,6 +16,7 @@ What such an iteration folder holds (`generate_state_dict` with use_dist_ckpt, n
                     FP32Optimizer:   {"state": {"common_step": step}, "param_groups": [...]}
                     Float16Opt...:   {"optimizer": {"state": {"common_step"}, "param_groups"}, "grad_scaler"?}
                 param groups without their `params` lists (megatron-core saves those as non-persistent)
+    rng_state    a byte entry `rng_state/shard_<pp>.<tp>_<PP>.<TP>` per (pp, tp) rank: its RNG list
 
 megatron-core's ChainedOptimizer of one optimizer (a dense model) saves its one optimizer's entry as is.
 The distributed optimizer's entry (`param_state_sharding_type`, Megatron-LM's default 'dp_reshardable':
@@ -31,20 +32,23 @@ unpickler, common.pt through safe_load, tensor data with weights_only loads; not
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from ..checkpoint.names import to_stage_local
 from ..checkpoint.torch_dist import TorchDistCheckpoint
 from ..checkpoint.unpickle import safe_load
 from ..errors import CheckpointError
-from ..parallel import comm
+from ..parallel import comm, state as parallel_state
 from ..parallel.sharding import split_tensor
 
 OPTIMIZER_PREFIX = "optimizer.state."
 MOMENTS = ("exp_avg", "exp_avg_sq")
+_RNG_KEY = re.compile(r"rng_state/shard_([\d.]+)_([\d.]+)")
 
 
 def is_torch_dist_folder(folder: Path) -> bool:
@@ -124,6 +128,27 @@ def _optimizer_entry(ckpt: TorchDistCheckpoint, saved: Any, chunks, optimizer, w
     return out
 
 
+def _rng_entry(ckpt: TorchDistCheckpoint):
+    """This rank's `rng_state`: Megatron-LM saves its list as ShardedObject 'rng_state' on the (pp, tp) grid
+    (or (pp, tp, dp) with one list per dp rank), byte entry `rng_state/shard_<offset>_<shape>`.  The
+    cell at this rank's coordinates when the saved grid is this run's; else None (RNG streams are per
+    rank: another layout starts them from --seed)."""
+    st = parallel_state.get_state()
+    here, grid = (st.coords["pp"], st.coords["tp"], st.coords["dp"]), (st.pp, st.tp, st.dp)
+    for key, md in ckpt.metadata.state_dict_metadata.items():
+        match = _RNG_KEY.fullmatch(key)
+        if match is None or not isinstance(md, BytesStorageMetadata):
+            continue
+        offset, shape = (tuple(int(x) for x in match.group(g).split(".")) for g in (1, 2))
+        if len(offset) == len(shape) in (2, 3) and offset == here[:len(offset)] and shape == grid[:len(shape)]:
+            saved = ckpt.read_object(key)  # megatron-core stores [data] for a ShardedObject
+            if not isinstance(saved, list) or len(saved) != 1:
+                raise CheckpointError(f"{ckpt.folder}: entry {key!r} should hold [the rng_state list] "
+                                      f"(megatron-core's ShardedObject), found {type(saved).__name__}")
+            return saved[0]
+    return None
+
+
 def read_torch_dist(folder: Path, iteration: int | str, chunks, optimizer=None) -> tuple[dict, int | str, Path]:
     """(this rank's payload in the torch-format rank file's layout, iteration, common.pt): model
     entries for `chunks` (built, any TP/PP), the optimizer entry for `optimizer` when given."""
@@ -134,6 +159,7 @@ def read_torch_dist(folder: Path, iteration: int | str, chunks, optimizer=None) 
     common = safe_load(common_file)
     payload = {k: v for k, v in common.items() if k != "optimizer"}
     payload.update(_model_entries(ckpt, chunks))
+    payload["rng_state"] = _rng_entry(ckpt)
     if optimizer is not None:
         payload["optimizer"] = _optimizer_entry(ckpt, common.get("optimizer"), chunks, optimizer, common_file)
     return payload, iteration, common_file
