@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_megatron_optimizer import K, check_train_resumes_megatron_lm
+from test_megatron_optimizer import GBS, K, check_train_resumes_megatron_lm
 
 # Megatron-LM's _build_sharded_state_dict_metadata for a run without the distributed optimizer
 SHARDED_SD_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
@@ -109,6 +109,9 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path
     from dist import run_distributed
     saved = check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_dist)
     _check_rng_restored(tmp_path, arch, dtype)
+    from hf_megatron.training.checkpoint import checkpoint_info
+    info = checkpoint_info(tmp_path / "megatron_lm")  # what evaluate / accelerate's load_state read
+    assert info["iteration"] == K and info["args"]["consumed_train_samples"] == K * GBS
     if dtype == "bf16":  # another layout than the saved one: torch_dist holds global tensors
         assert run_distributed(_load_in_tp, 2, (str(tmp_path), arch, dtype, saved)) == [[], []]
         return

@@ -283,11 +283,14 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path) -> None:
 
 
 def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """Everything but the tensors of rank (0, 0)'s file: args, iteration, extra entries."""
+    """Everything but the tensors of rank (0, 0)'s file (torch_dist: of common.pt): args, iteration, extra entries."""
     folder, _ = resolve_iteration_dir(load_dir, iteration)
-    _, pp = saved_layout(folder)
-    payload, iteration, _ = read_rank_file(load_dir, 0, 0, max(pp, 1), iteration)
-    info = info_entries(payload)
+    if is_torch_dist_folder(folder):
+        info = info_entries(safe_load(folder / "common.pt"))
+    else:
+        _, pp = saved_layout(folder)
+        payload, iteration, _ = read_rank_file(load_dir, 0, 0, max(pp, 1), iteration)
+        info = info_entries(payload)
     if isinstance(info.get("args"), argparse.Namespace):
         info["args"] = vars(info["args"])
     return info
