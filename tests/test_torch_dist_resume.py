@@ -14,7 +14,6 @@ import random
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 import torch
 
@@ -104,6 +103,35 @@ def _check_rng_restored(tmp_path: Path, arch: str, dtype: str) -> None:
     assert info["rng_state"][0]["rng_tracker_states"] == saved["rng_tracker_states"]
 
 
+def _load_into_distributed_optimizer(rank, world, root, arch, saved):
+    """Our --use-distributed-optimizer over dp=world loads it: the dp-gathered state on dp rank 0 is
+    megatron-core's, param by param; [] when it is."""
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from test_megatron_optimizer import PADDED_VOCAB
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    cfg = training_config({"zero": True})
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert optimizer.sharded and load_checkpoint(Path(root) / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    gathered, names = optimizer.parameter_state(), {id(p): n for n, p in chunks[0].named_parameters()}
+    state.reset()
+    if gathered is None:
+        return []
+    wrong, at = [] if int(gathered["step"]) == K else ["step"], 0
+    for p in optimizer.model_params:
+        name, n = names[id(p)], p.numel()
+        _, exp_avg, exp_avg_sq, main = saved[name]
+        got = [gathered[key][at:at + n].view(p.shape) for key in ("param", "exp_avg", "exp_avg_sq")]
+        if not all(torch.equal(a, b) for a, b in zip(got, (main, exp_avg, exp_avg_sq))):
+            wrong.append(name)
+        at += n
+    return wrong
+
+
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path):
     from dist import run_distributed
@@ -115,6 +143,7 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path
     if dtype == "bf16":  # another layout than the saved one: torch_dist holds global tensors
         assert run_distributed(_load_in_tp, 2, (str(tmp_path), arch, dtype, saved)) == [[], []]
         return
+    assert run_distributed(_load_into_distributed_optimizer, 2, (str(tmp_path), arch, saved)) == [[], []]
     # without its optimizer state: refused in one line unless --no-load-optim says so
     from hf_megatron.checkpoint.unpickle import safe_load
     from test_megatron_optimizer import resume_flags
