@@ -55,9 +55,10 @@ def save_torch_dist(folder: Path, args, model, optimizer, scheduler) -> None:
         torch.cuda.synchronize = synchronize
 
 
-def _load_in_tp(rank, world, root, arch, dtype, saved):
-    """Our reader with tensor parallelism (the checkpoint was saved with tp=1): every param's moments,
-    step and main weight are this rank's TP shard of megatron-core's; [] when all are."""
+def _load_in_layout(rank, world, root, arch, dtype, saved, layout):
+    """Our reader in another layout than the saved tp=1, pp=1 (`layout`: tp or pp of world): every
+    param of this rank holds its TP shard of megatron-core's moments, step and main weight.
+    (names this rank holds, names that differ)."""
     from hf_megatron.parallel import state
     from hf_megatron.parallel.sharding import split_tensor
     from hf_megatron.training import build_model, build_optimizer, setup_parallel
@@ -65,19 +66,23 @@ def _load_in_tp(rank, world, root, arch, dtype, saved):
     from test_megatron_optimizer import PADDED_VOCAB, our_state
     from tiny import tiny_hf_model
     from training_helpers import training_config
-    cfg = training_config({"tp": world}, bf16=dtype == "bf16")
+    cfg = training_config(layout, bf16=dtype == "bf16")
     setup_parallel(cfg)
     chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
     optimizer = build_optimizer(chunks, cfg)
     assert load_checkpoint(Path(root) / "megatron_lm", chunks, optimizer, load_rng=False) == K
-    loaded, config = our_state(chunks[0], optimizer), chunks[0].config
+    loaded, config, tp = our_state(chunks[0], optimizer), chunks[0].config, layout.get("tp", 1)
     state.reset()
-    wrong = [] if sorted(loaded) == sorted(saved) else ["names differ"]
-    for name, (step, *tensors) in saved.items():
-        shards = [split_tensor(name, t, config, world)[rank] for t in tensors]
-        if loaded[name][0] != step or not all(torch.equal(a, b) for a, b in zip(loaded[name][1:], shards)):
+    wrong = []
+    for name, (step, *tensors) in loaded.items():
+        want = saved.get(name)
+        if want is None:
             wrong.append(name)
-    return wrong
+            continue
+        shards = [split_tensor(name, t, config, tp)[rank if tp > 1 else 0] for t in want[1:]]
+        if step != want[0] or not all(torch.equal(a, b) for a, b in zip(tensors, shards)):
+            wrong.append(name)
+    return sorted(loaded), wrong
 
 
 def _check_rng_restored(tmp_path: Path, arch: str, dtype: str) -> None:
@@ -132,16 +137,19 @@ def _load_into_distributed_optimizer(rank, world, root, arch, saved):
     return wrong
 
 
-@pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
-def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, tmp_path):
+@pytest.mark.parametrize("arch, dtype, layout", [("gpt2", "fp32", None), ("qwen2", "bf16", {"tp": 2}),
+                                                  pytest.param("qwen2", "bf16", {"pp": 2}, marks=pytest.mark.slow)])
+def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, layout, tmp_path):
     from dist import run_distributed
     saved = check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_dist)
     _check_rng_restored(tmp_path, arch, dtype)
     from hf_megatron.training.checkpoint import checkpoint_info
     info = checkpoint_info(tmp_path / "megatron_lm")  # what evaluate / accelerate's load_state read
     assert info["iteration"] == K and info["args"]["consumed_train_samples"] == K * GBS
-    if dtype == "bf16":  # another layout than the saved one: torch_dist holds global tensors
-        assert run_distributed(_load_in_tp, 2, (str(tmp_path), arch, dtype, saved)) == [[], []]
+    if layout is not None:  # another layout than the saved one: torch_dist holds global tensors
+        ranks = run_distributed(_load_in_layout, 2, (str(tmp_path), arch, dtype, saved, layout))
+        assert [wrong for _, wrong in ranks] == [[], []]
+        assert sorted({n for names, _ in ranks for n in names}) == sorted(saved)
         return
     assert run_distributed(_load_into_distributed_optimizer, 2, (str(tmp_path), arch, saved)) == [[], []]
     # without its optimizer state: refused in one line unless --no-load-optim says so
