@@ -168,6 +168,12 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, layout, 
     code, out, err = cli_inprocess(*args, "--no-load-optim")
     assert code == 0, err[-3000:]
     assert f"iteration      {K + 1}/{K + 1}" in out
+    for bad, message in (({"state": {}, "param_groups": ["x"]}, "optimizer entry is neither FP32Optimizer's"),
+                         ({"state": {"common_step": "2"}, "param_groups": []}, "common_step should be a number")):
+        common["optimizer"] = bad
+        torch.save(common, common_file)
+        code, out, err = cli_inprocess(*args)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
     # megatron-core's distributed optimizer's entry (what remains of it in common.pt): refused, not reset
     common["optimizer"] = {"param_state": {}, "param_state_sharding_type": "dp_reshardable"}
     torch.save(common, common_file)

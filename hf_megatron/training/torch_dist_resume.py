@@ -95,10 +95,12 @@ def _optimizer_entry(ckpt: TorchDistCheckpoint, saved: Any, chunks, optimizer, w
     float16 = "param_groups" not in saved
     inner = saved.get("optimizer") if float16 else saved
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) \
-            or not isinstance(inner.get("state"), dict):
+            or not all(isinstance(g, dict) for g in inner["param_groups"]) or not isinstance(inner.get("state"), dict):
         raise CheckpointError(f"{where}: optimizer entry is neither FP32Optimizer's ('state', 'param_groups') nor "
                               "Float16OptimizerWithFloat16Params' ('optimizer' -> 'state', 'param_groups')")
     step = inner["state"].get("common_step")
+    if step is not None and not (isinstance(step, (int, float)) or isinstance(step, torch.Tensor) and step.numel() == 1):
+        raise CheckpointError(f"{where}: optimizer state's common_step should be a number, found {type(step).__name__}")
     groups, _ = optimizer.megatron_order
     if len(inner["param_groups"]) != len(groups):
         raise CheckpointError(f"{where}: {len(inner['param_groups'])} optimizer param groups saved, this "
