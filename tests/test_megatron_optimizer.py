@@ -210,9 +210,22 @@ def _check_megatron_core_holds_ours(got, dtype, kind):
 
 # ---------------------------------------------------------------- Megatron-LM -> ours
 
-def _megatron_lm_run(rank, world, root, dtype):
+def save_torch_format(folder: Path, args, model, optimizer, scheduler) -> None:
+    """generate_state_dict (torch format): args, checkpoint_version, iteration, model, optimizer,
+    opt_param_scheduler (rng_state left out, as with --no-save-rng: no CUDA RNG on CPU)."""
+    args.ckpt_format = "torch"
+    folder = folder / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
+                "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
+                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
+               folder / "model_optim_rng.pt")
+
+
+def _megatron_lm_run(rank, world, root, dtype, save=save_torch_format):
     """megatron-core trains K steps from its own init, writes iteration K as Megatron-LM's
-    save_checkpoint would, then continues: (its losses at K+1 and K+2, its state at K by name)."""
+    save_checkpoint would (`save(iteration folder, args, model, optimizer, scheduler)`), then
+    continues: (its losses at K+1 and K+2, its state at K by name)."""
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
@@ -235,27 +248,21 @@ def _megatron_lm_run(rank, world, root, dtype):
 
     for _ in range(K):  # any data: only the state after K steps matters
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
-    write_megatron_lm_iteration(root, args, model, optimizer, scheduler)
+    write_megatron_lm_iteration(root, args, model, optimizer, scheduler, save)
     saved = megatron_core_state(model, optimizer)
     losses = next_two_losses(root, step, model)
     parallel_state.destroy_model_parallel()
     return losses, saved
 
 
-def write_megatron_lm_iteration(root: Path, args, model, optimizer, scheduler) -> Path:
-    """<root>/megatron_lm/iter_K/mp_rank_00/model_optim_rng.pt and the tracker, as Megatron-LM's
-    save_checkpoint writes them (torch format, generate_state_dict: args, checkpoint_version,
-    iteration, model, optimizer, opt_param_scheduler; rng_state left out, as with --no-save-rng:
-    no CUDA RNG on CPU); returns the rank folder."""
-    args.iteration, args.consumed_train_samples, args.ckpt_format, args.no_save_rng = K, K * GBS, "torch", True
-    folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
-    folder.mkdir(parents=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": K,
-                "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer.state_dict(),
-                "opt_param_scheduler": scheduler.state_dict(), "num_floating_point_operations_so_far": 0},
-               folder / "model_optim_rng.pt")
+def write_megatron_lm_iteration(root: Path, args, model, optimizer, scheduler, save=save_torch_format) -> Path:
+    """<root>/megatron_lm/iter_K written by `save` (save_torch_format: Megatron-LM's torch format) and
+    the tracker, with the args fields Megatron-LM's save_checkpoint sets; returns the rank folder."""
+    args.iteration, args.consumed_train_samples, args.no_save_rng = K, K * GBS, True
+    iteration = root / "megatron_lm" / f"iter_{K:07d}"
+    save(iteration, args, model, optimizer, scheduler)
     (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
-    return folder
+    return iteration / "mp_rank_00"
 
 
 def next_two_losses(root: Path, step, model) -> list[float]:
@@ -287,12 +294,7 @@ def resume_with_train(tmp_path: Path, dtype: str, *extra) -> dict[int, float]:
     """`hf-megatron train --load <tmp_path>/megatron_lm` to iteration K+2 with the run's hyper-parameters;
     its losses by iteration (it must resume at K+1)."""
     from train_cli import cli_inprocess
-    flags = ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
-             "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
-             "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
-             "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
-             "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
-             *(["--bf16"] if dtype == "bf16" else []), *extra]
+    flags = [*resume_flags(tmp_path, dtype), *extra]
     code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
                                    "--tensorboard-dir", tmp_path / "tb", *flags)
     assert code == 0, err[-3000:]
@@ -302,6 +304,23 @@ def resume_with_train(tmp_path: Path, dtype: str, *extra) -> dict[int, float]:
 
 @pytest.mark.parametrize("arch, dtype", [("gpt2", "fp32"), ("qwen2", "bf16")])
 def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype, tmp_path):
+    check_train_resumes_megatron_lm(tmp_path, arch, dtype, save_torch_format)
+
+
+def resume_flags(tmp_path, dtype) -> list:
+    """The flags of megatron-core's run in _megatron_lm_run (data, batch, schedule, AdamW, clipping)."""
+    return ["--data-path", tmp_path / "corpus_text_document", "--split", "90,10,0", "--seq-length", SEQ,
+            "--micro-batch-size", 2, "--global-batch-size", GBS, "--lr", HP["lr"], "--min-lr", HP["min_lr"],
+            "--lr-warmup-iters", HP["warmup"], "--lr-decay-iters", HP["decay"], "--lr-decay-style", HP["style"],
+            "--weight-decay", HP["weight_decay"], "--adam-beta1", HP["beta1"], "--adam-beta2", HP["beta2"],
+            "--adam-eps", HP["eps"], "--clip-grad", HP["clip_grad"], "--log-interval", 1,
+            *(["--bf16"] if dtype == "bf16" else [])]
+
+
+def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> dict:
+    """megatron-core's run saved by `save` (see _megatron_lm_run); `hf-megatron train --load` continues
+    it with megatron-core's next two losses, and our reader holds its optimizer state exactly.
+    Returns megatron-core's state at iteration K by name (megatron_core_state)."""
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
     from train_cli import make_workspace
@@ -309,8 +328,7 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
     # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
-    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype))[0]
-
+    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype, save))[0]
     ours = resume_with_train(tmp_path, dtype)
     # measured: fp32 1.6e-7 and 0; bf16 4e-5 and 8e-6 (two implementations' bf16 rounding)
     tolerance = 1e-6 if dtype == "fp32" else 1e-3
@@ -335,6 +353,7 @@ def test_train_resumes_a_megatron_lm_checkpoint_with_its_next_losses(arch, dtype
         assert loaded[name][0] == step == float(K), name
         assert torch.equal(loaded[name][1], exp_avg) and torch.equal(loaded[name][2], exp_avg_sq), name
         assert torch.equal(loaded[name][3], main), name
+    return saved
 
 
 # ---------------------------------------------------------------- our readers (no megatron-core)

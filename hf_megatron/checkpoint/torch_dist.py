@@ -165,10 +165,14 @@ class TorchDistCheckpoint(CheckpointReader):
         for key, md in entries.items():
             if isinstance(md, dcp_metadata.BytesStorageMetadata) and key.split(".")[0] in ("args", "iteration",
                                                                                              "checkpoint_version"):
-                common[key.split(".")[0]] = self._load({key: None}, ChunkPlanner(key))[key]
+                common[key.split(".")[0]] = self.read_object(key)
         if "args" not in common:
             raise CheckpointError(f"{self.folder}: no common.pt and no 'args' entry; cannot tell the architecture")
         return common
+
+    def read_object(self, key: str):
+        """A byte entry (megatron-core's ShardedObject, common state), through safe_load."""
+        return self._load({key: None}, ChunkPlanner(key))[key]
 
     def _load(self, state: dict, planner: ChunkPlanner) -> dict:
         try:
@@ -194,12 +198,20 @@ class TorchDistCheckpoint(CheckpointReader):
         self._load({key: dest}, ChunkPlanner(key, offsets, size))
         return dest[0] if layer is not None else dest
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, prefix: str = "") -> torch.Tensor:
+        """Full tensor `name`; with `prefix`, the entry megatron-core stores under `prefix + its
+        sharded key` at the same shape (the optimizer's `optimizer.state.exp_avg.<key>`, ...)."""
         key, layer, part = self.locate(name)
-        if part is None:
-            tensor = self._read(key, layer)
-        else:  # gate and up stored separately
-            tensor = torch.cat([self._read(key + "_w", layer), self._read(key + "_v", layer)])
+        keys = [key] if part is None else [key + "_w", key + "_v"]  # gate and up stored separately
+        if prefix:
+            entries = self.metadata.state_dict_metadata
+            for stored in keys:
+                md = entries.get(prefix + stored)
+                if not isinstance(md, dcp_metadata.TensorStorageMetadata) or md.size != entries[stored].size:
+                    found = "missing" if md is None else f"of shape {tuple(getattr(md, 'size', ()))}"
+                    raise CheckpointError(f"{self.folder}: entry {prefix + stored!r} {found}, expected a tensor "
+                                          f"of {stored!r}'s shape {tuple(entries[stored].size)}")
+        tensor = torch.cat([self._read(prefix + k, layer) for k in keys])
         return tensor[: self.config.vocab_size] if name in VOCAB_PARAMS else tensor
 
 

@@ -44,6 +44,7 @@ from ..parallel.random import get_tracker
 from .megatron_distrib_optim import is_megatron_distrib_optim, parameter_state_from_megatron
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
+from .torch_dist_resume import is_torch_dist_folder, read_torch_dist
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
@@ -211,10 +212,14 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     the file's non-tensor entries (iteration, args, consumed_train_samples, ..., rng_state)."""
     chunks = [_unwrap(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
-    payload, iteration, path = read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
+    folder, resolved = resolve_iteration_dir(load_dir, iteration)
+    torch_dist = is_torch_dist_folder(folder)  # megatron-core's global tensors: any layout (torch_dist_resume.py)
+    payload, iteration, path = read_torch_dist(folder, resolved, chunks, optimizer) if torch_dist else \
+        read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
     if info is not None:
         info.update(info_entries(payload), rng_state=payload.get("rng_state"), path=path)
-    _check_layout(payload.get("args"), path)
+    if not torch_dist:
+        _check_layout(payload.get("args"), path)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
@@ -285,11 +290,14 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0
 
 
 def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
-    """Everything but the tensors of rank (0, 0)'s file: args, iteration, extra entries."""
+    """Everything but the tensors of rank (0, 0)'s file (torch_dist: of common.pt): args, iteration, extra entries."""
     folder, _ = resolve_iteration_dir(load_dir, iteration)
-    _, pp = saved_layout(folder)
-    payload, iteration, _ = read_rank_file(load_dir, 0, 0, max(pp, 1), iteration)
-    info = info_entries(payload)
+    if is_torch_dist_folder(folder):
+        info = info_entries(safe_load(folder / "common.pt"))
+    else:
+        _, pp = saved_layout(folder)
+        payload, iteration, _ = read_rank_file(load_dir, 0, 0, max(pp, 1), iteration)
+        info = info_entries(payload)
     if isinstance(info.get("args"), argparse.Namespace):
         info["args"] = vars(info["args"])
     return info
