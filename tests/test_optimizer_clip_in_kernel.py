@@ -31,7 +31,7 @@ def test_clip_in_fused_adamw_equals_clip_then_step(device, clip):
     ref = torch.optim.AdamW(ref_groups, lr=1e-2, foreach=False)
     for step in range(3):
         opt.zero_grad()
-        x = torch.randn(8, 67, device=device, dtype=torch.bfloat16, generator=None)
+        x = torch.randn(8, 67, device=device, dtype=torch.bfloat16)
         (model(x).float().pow(2).sum() * 10).backward()
         grads = [g.detach().clone() for g in opt.grads()]
         norm = torch.stack([g.double().norm() for g in grads]).pow(2).sum().sqrt().item()

@@ -22,7 +22,7 @@ BF16_TOL = 1e-2  # a few bf16 ulps (2^-8) in norm
 def test_in_place_fp32_accumulating_gemm_is_available():
     """torch >= 2.8's aten::addmm.dtype_out takes an fp32 `self` with bf16 operands; without it the
     fusion silently degrades to mm + add (still correct, not faster) -- this says which one runs."""
-    assert wgrad._dtype_gemm_works(torch.device("cuda")), f"torch {torch.__version__}: addmm(out_dtype=fp32) " \
+    assert wgrad.fp32_accumulating_gemm(torch.device("cuda")), f"torch {torch.__version__}: addmm(out_dtype=fp32) " \
         "refused an fp32 accumulator; the fused path falls back to mm + add"
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..model.gpt import IGNORE_INDEX
 from . import comm
+from .wgrad import fp32_accumulating_gemm
 
 
 def _chunk_stats(z: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor, vocab_limit: int):
@@ -61,10 +62,13 @@ EAGER = (_chunk_stats, _chunk_probs, _chunk_grad)
 
 
 def _add_matmul_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """acc += a @ b for an fp32 acc.  On CUDA with bf16/fp16 a, b the GEMM accumulates into acc
-    itself (cuBLAS beta = 1 with an fp32 C, aten::addmm.dtype_out): no [V_r, h] product rounded to
-    bf16, written and read back once per chunk.  Elsewhere the product is formed, then added."""
-    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16):
+    """acc += a @ b for an fp32 acc.  On CUDA with bf16/fp16 a, b -- where this torch's addmm takes
+    an fp32 `self` with low-precision inputs (probed once per device, the probe the fused wgrad
+    uses) -- the GEMM accumulates into acc itself (cuBLAS beta = 1, aten::addmm.dtype_out): no
+    [V_r, h] product rounded to bf16, written and read back once per chunk.  Elsewhere the product
+    is formed, then added."""
+    if (acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.bfloat16, torch.float16)
+            and fp32_accumulating_gemm(acc.device)):
         return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     return acc.add_(a @ b)
 

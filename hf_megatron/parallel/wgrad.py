@@ -71,7 +71,7 @@ def is_placeholder(grad: torch.Tensor | None) -> bool:
     return any(ptr == b.untyped_storage().data_ptr() for b in _SCRATCH.get((grad.device, grad.dtype), ()))
 
 
-def _dtype_gemm_works(device: torch.device) -> bool:
+def fp32_accumulating_gemm(device: torch.device) -> bool:
     """Whether this torch's CUDA addmm accumulates bf16 x bf16 into an fp32 `self` in place (probed once)."""
     if device not in _DTYPE_GEMM:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -95,7 +95,7 @@ def accumulate_wgrad(main_grad: torch.Tensor, input: torch.Tensor, grad_output: 
     dy_t = grad_output.reshape(-1, grad_output.shape[-1]).t()
     if x.dtype == main_grad.dtype:
         main_grad.addmm_(dy_t, x)
-    elif main_grad.is_cuda and _dtype_gemm_works(main_grad.device):
+    elif main_grad.is_cuda and fp32_accumulating_gemm(main_grad.device):
         torch.addmm(main_grad, dy_t, x, out_dtype=main_grad.dtype, out=main_grad)
     elif main_grad.is_cuda:  # an older kernel: the unfused numbers (bf16 product, fp32 sum)
         main_grad.add_(torch.mm(dy_t, x))
