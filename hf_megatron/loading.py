@@ -33,7 +33,7 @@ from .model.gpt import GPTModel
 from .model.init import init_tensor
 from .parallel import state
 from .parallel.compile import apply_compile
-from .parallel.float8 import apply_float8
+from .parallel.float8 import apply_float8, bf16_layer_numbers
 from .parallel.linear_loss import apply_fused_linear_loss
 from .parallel.parallelize import parallelize
 from .parallel.pipeline import split_module
@@ -89,7 +89,7 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
                 tp_group: Any = _GRID, sequence_parallel: bool = False, recompute: str | None = None,
                 compile: bool | dict = False, dtype: torch.dtype | None = None, device=None, seed: int = 1234,
                 init: bool = True, fused_loss: bool = False, fp8: tuple[str, str] | None = None,
-                gradient_accumulation_fusion: bool = False) -> GPTModel:
+                fp8_bf16_layers: tuple[int, int] = (0, 0), gradient_accumulation_fusion: bool = False) -> GPTModel:
     """Pipeline chunk `stage` of `num_stages` of the model, tensor-parallel over `tp_group`.
 
     `source`: a ModelConfig (fresh Megatron init from `seed`: the same weights in every layout;
@@ -99,7 +99,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     (`parallel.compile.apply_compile`), inside any recompute.  `fused_loss=True` computes the output
     layer and the cross entropy in chunks on the training path (`parallel.linear_loss`): no whole
     [tokens, vocab] logits.  `fp8=(format, recipe)`, e.g. ("hybrid", "tensorwise"): the layers'
-    linears in torchao float8 (`parallel.float8`; CUDA only, tp 1), swapped in before compile.
+    linears in torchao float8 (`parallel.float8`; CUDA only, tp 1), swapped in before compile;
+    `fp8_bf16_layers=(N, M)` keeps the whole model's first N and last M layers in bf16.
     `gradient_accumulation_fusion=True` makes the transformer layers'
     linears accumulate their weight gradients into the optimizer's fp32 main grads inside the
     GEMM (`parallel.wgrad`)."""
@@ -119,7 +120,8 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     if fused_loss and model.post_process:
         apply_fused_linear_loss(model)  # output layer + loss in chunks (parallel/linear_loss.py)
     if fp8 is not None:  # on meta, before materialising: a bad setup fails before any weight is read
-        apply_float8(model, *fp8, device=device or "cpu")
+        apply_float8(model, *fp8, device=device or "cpu",
+                     bf16_layers=bf16_layer_numbers(config.num_layers, *fp8_bf16_layers))
     if gradient_accumulation_fusion:
         apply_wgrad_fusion(model)  # after float8 (its linears stay unfused), before compile
     if compile:

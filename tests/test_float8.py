@@ -47,6 +47,33 @@ def test_fp8_flags_parse_with_megatron_names():
     assert TrainingConfig.from_dict({"bf16": True, "fp8": "hybrid"}).fp8_format == "hybrid"  # Megatron's args.fp8
 
 
+def test_first_last_layers_bf16_flags_parse_with_megatron_names():
+    cfg = _parse("--bf16", "--fp8-format", "hybrid")
+    assert (cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16) == (
+        False, 1, 1)  # Megatron-LM's defaults
+    cfg = _parse("--bf16", "--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+                 "2", "--num-layers-at-end-in-bf16", "0")
+    assert (cfg.first_last_layers_bf16, cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16) == (
+        True, 2, 0)
+
+
+def test_first_last_layers_bf16_selects_those_layers_linears():
+    """On a 6-layer model (meta weights): which linears the float8 swap would take."""
+    from hf_megatron.loading import build_model
+    from hf_megatron.parallel.float8 import _eligible, bf16_layer_numbers
+    model = build_model(tiny_hf_model("llama", num_hidden_layers=6), init=False, device="meta")
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    keep = bf16_layer_numbers(6, 2, 1)
+    assert keep == {0, 1, 5}
+    chosen = {n for n, m in linears if _eligible(m, n, keep)}
+    layers_chosen = {int(n.split(".")[2]) for n in chosen}
+    assert layers_chosen == {2, 3, 4}
+    assert all(n.startswith("decoder.layers.") for n in chosen)  # output layer stays bf16
+    per_layer = {n for n, _ in linears if n.startswith("decoder.layers.2.")}
+    assert per_layer and per_layer <= chosen  # every linear of a float8 layer is taken
+    assert bf16_layer_numbers(3, 5, 5) == {0, 1, 2} and bf16_layer_numbers(4, 0, 0) == set()
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["--fp8-format", "hybrid"], "--fp8-format hybrid): expected --bf16 as well"),
     (["--fp16", "--fp8-format", "e4m3"], "expected --bf16 as well (float8 linears keep bf16 weights), got --fp16"),
@@ -54,6 +81,7 @@ def test_fp8_flags_parse_with_megatron_names():
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], "use --fp8-format e4m3 with it"),
     (["--bf16", "--fp8-format", "e5m2"], "(--fp8-format): expected one of e4m3, hybrid, got 'e5m2'"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "expected one of tensorwise, rowwise"),
+    (["--bf16", "--first-last-layers-bf16"], "(--first-last-layers-bf16): expected --fp8-format as well"),
 ])
 def test_fp8_setup_errors_are_one_line(argv, fragment):
     with pytest.raises(ConfigError) as info:
@@ -148,3 +176,14 @@ def test_float8_tracks_bf16(compiled):
     for name in grads_bf16:
         cos = torch.nn.functional.cosine_similarity(grads_f8[name], grads_bf16[name], dim=0).item()
         assert cos >= 0.95, (name, cos)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FLOAT8_GPU, reason="needs a GPU with float8 tensor cores (sm89+)")
+def test_first_last_layers_bf16_keeps_those_layers_out_of_float8():
+    pytest.importorskip("torchao")
+    from hf_megatron.loading import build_model
+    model = build_model(tiny_hf_model("llama", num_hidden_layers=3), dtype=torch.bfloat16, device="cuda",
+                        fp8=("hybrid", "tensorwise"), fp8_bf16_layers=(1, 1))
+    converted = {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"}
+    assert {int(n.split(".")[2]) for n in converted} == {1} and len(converted) == 4, converted

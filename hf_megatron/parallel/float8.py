@@ -21,8 +21,11 @@ Megatron-LM's `delayed`, `mxfp8` and `blockwise` recipes are Transformer Engine'
 of them.
 
 Kept in bf16: the output layer (the vocabulary projection feeds the loss; float8 logits cost
-accuracy for ~5% of the FLOPs), and any linear whose dimensions are not multiples of 16
-(`_scaled_mm`'s rule).  Needs CUDA with float8 tensor cores (sm89+, e.g. H100/H200), bf16 and
+accuracy for ~5% of the FLOPs), any linear whose dimensions are not multiples of 16
+(`_scaled_mm`'s rule), and the layers named in `bf16_layers` -- Megatron-LM's
+`--first-last-layers-bf16` with `--num-layers-at-start-in-bf16 N` / `--num-layers-at-end-in-bf16 M`
+(default 1 each): the first N and last M transformer layers of the whole model, where the
+activations' ranges are widest (embedding outputs, the last layers feeding the logits).  Needs CUDA with float8 tensor cores (sm89+, e.g. H100/H200), bf16 and
 torchao importable; otherwise one clear error.  Tensor parallelism: torchao's swap builds a fresh
 Float8Linear from the weight alone, which would drop the Column/RowParallelLinear collectives (and
 its filter skips them), so float8 is refused at tp > 1.
@@ -49,9 +52,21 @@ def check_fp8_choice(fp8_format: str, recipe: str) -> None:
                           "--fp8-format e4m3 with it (hybrid e5m2 gradients need --fp8-recipe tensorwise)")
 
 
-def _eligible(module: nn.Module, name: str) -> bool:
-    return (type(module) is nn.Linear and not name.endswith("output_layer")
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+def _eligible(module: nn.Module, name: str, bf16_layers=frozenset()) -> bool:
+    if type(module) is not nn.Linear or name.endswith("output_layer"):
+        return False
+    parts = name.split(".")  # decoder.layers.<global number>.<...>
+    if len(parts) > 2 and parts[:2] == ["decoder", "layers"] and int(parts[2]) in bf16_layers:
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def bf16_layer_numbers(num_layers: int, at_start: int, at_end: int) -> frozenset[int]:
+    """Global numbers of the first `at_start` and last `at_end` of `num_layers` layers."""
+    if at_start < 0 or at_end < 0:
+        raise ConfigError(f"--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16: expected >= 0, got "
+                          f"{at_start} / {at_end}")
+    return frozenset(range(min(at_start, num_layers))) | frozenset(range(max(num_layers - at_end, 0), num_layers))
 
 
 def check_float8_runs(device=None) -> None:
@@ -82,11 +97,12 @@ def torchao_config(fp8_format: str = "hybrid", recipe: str = "tensorwise"):
 
 
 def apply_float8(model: nn.Module, fp8_format: str = "hybrid", recipe: str = "tensorwise",
-                 device=None) -> nn.Module:
+                 device=None, bf16_layers=frozenset()) -> nn.Module:
     """Swap the eligible nn.Linear modules of `model` for torchao Float8Linear, in place (on the meta
     device or materialised alike; parameter objects and names are kept).  Apply after
     `parallelize` and before `apply_compile`: float8 pays only compiled (the scaling fuses into the
-    casts).  `device`: where the model will run, checked to be CUDA."""
+    casts).  `device`: where the model will run, checked to be CUDA.  `bf16_layers`: global layer
+    numbers whose linears stay bf16 (see `bf16_layer_numbers`)."""
     check_fp8_choice(fp8_format, recipe)
     if comm.group_size(getattr(model, "tp_group", None)) > 1:
         raise ConfigError("--fp8-format: float8 training is not supported with tensor parallelism (torchao's "
@@ -94,5 +110,6 @@ def apply_float8(model: nn.Module, fp8_format: str = "hybrid", recipe: str = "te
                           "--tensor-model-parallel-size 1")
     check_float8_runs(device)
     from torchao.float8 import convert_to_float8_training
-    convert_to_float8_training(model, config=torchao_config(fp8_format, recipe), module_filter_fn=_eligible)
+    convert_to_float8_training(model, config=torchao_config(fp8_format, recipe),
+                               module_filter_fn=lambda module, name: _eligible(module, name, bf16_layers))
     return model

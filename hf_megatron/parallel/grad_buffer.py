@@ -11,11 +11,19 @@ word embedding tied across pipeline stages, whose two copies (first and last sta
 over the embedding group after the dp reduction -- elementwise, so both stages' copies must be
 sharded the same way (Megatron's rule for the shared embedding).
 
-Accumulation.  A post-accumulate-grad hook adds each micro batch's `p.grad` into `p.main_grad`
-and frees `p.grad`, so   main_grad = sum_m g_m   over this rank's micro batches, in fp32 (the
-loss was already scaled by 1 / N_global, see training/trainer.py, so no averaging follows).
+Accumulation.  Each micro batch's `p.grad` is added into `p.main_grad` and freed, so
+main_grad = sum_m g_m   over this rank's micro batches, in fp32 (the loss was already scaled by
+1 / N_global, see training/trainer.py, so no averaging follows).  Where a bucket must be reduced
+during backward (`overlap` with dp > 1) a post-accumulate-grad hook per param does it the moment
+the gradient lands (and counts, see below).  Otherwise the per-param hook only queues, once per
+backward pass, a callback that the autograd engine runs when that backward ends: it adds all
+gradients in one `_foreach_add_` and frees them.  Same adds (one per param and micro batch), the
+same fp32 sums; but a Python call per param that launches a kernel, ~20 us of host time, keeps a
+compiled layer's backward waiting on the host (GPT-2 medium: ~0.27 ms of GPU idle per layer), while
+the deferred adds are queued behind the backward's kernels.  The price: a micro batch's bf16
+gradients live until its backward ends (2 bytes per param, when the activations are freed).
 With `--gradient-accumulation-fusion` (parallel/wgrad.py) a fused weight's GEMM has already
-accumulated into main_grad and `p.grad` is a placeholder: the hook only counts and frees it.
+accumulated into main_grad and `p.grad` is a placeholder: it is only counted and freed.
 
 Reduction over the dp group, SUM:  `all_reduce` of the bucket, or with the distributed optimizer
 `reduce_scatter`: dp rank r receives shard r of the summed bucket; the other elements keep this
@@ -144,7 +152,11 @@ class GradBuffer:
                         p.data = view
             self.buckets.append(bucket)
         self._left: dict[int, int] = {}  # id(p) -> hook firings still expected this step
-        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulate) for b in self.buckets for p in b.params]
+        self._params = [p for b in self.buckets for p in b.params]
+        self.per_param = overlap and self.dp > 1  # reductions launched from inside backward
+        self._fold_queued = False
+        hook = self._accumulate if self.per_param else self._queue_fold
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
 
     # ------------------------------------------------------------- grads
     def zero(self, num_micro_batches: int | None = None) -> None:
@@ -152,6 +164,7 @@ class GradBuffer:
         hook firings per param before its bucket may be reduced (None: reduce in `finish`)."""
         self._wait_grads()  # a reduction still in flight must not land in the new step
         self.data.zero_()
+        self._fold_queued = False  # a backward that raised never ran its fold
         for bucket in self.buckets:
             bucket.launched, bucket.ready = False, 0
         counting = self.overlap and self.dp > 1 and num_micro_batches
@@ -173,6 +186,26 @@ class GradBuffer:
                 if bucket.ready == len(bucket.params):
                     self._launch(bucket)
 
+    def _queue_fold(self, p: torch.Tensor) -> None:
+        if not self._fold_queued:
+            self._fold_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._fold)
+
+    def _fold(self) -> None:
+        """End of a backward pass: main_grad += grad for every param that got one, then free it."""
+        self._fold_queued = False
+        mains, grads = [], []
+        for p in self._params:
+            grad = p.grad
+            if grad is None:
+                continue
+            if not is_placeholder(grad):
+                mains.append(p.main_grad)
+                grads.append(grad)
+            p.grad = None
+        if grads:
+            torch._foreach_add_(mains, grads)
+
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         if self.dp == 1:
@@ -185,6 +218,8 @@ class GradBuffer:
 
     def finish(self) -> None:
         """Launch the buckets not launched yet (in bucket order: the same on every rank) and wait for all."""
+        if not self.per_param:
+            self._fold()  # (normally a no-op: each backward folded its gradients when it ended)
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)

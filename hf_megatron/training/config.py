@@ -150,6 +150,13 @@ class TrainingConfig:
         "tensorwise", group="speed", choices=FP8_RECIPES,
         help="with --fp8-format: tensorwise = one dynamic scale per tensor; rowwise = one per row (e4m3 only); "
              "Megatron-LM's delayed / mxfp8 / blockwise are Transformer Engine recipes torchao does not have")
+    first_last_layers_bf16: bool = option(
+        False, group="speed", help="with --fp8-format: keep the first and last transformer layers' linears in bf16 "
+                                   "(how many: --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16)")
+    num_layers_at_start_in_bf16: int = option(1, group="speed", at_least=0,
+                                              help="with --first-last-layers-bf16: layers kept bf16 at the start")
+    num_layers_at_end_in_bf16: int = option(1, group="speed", at_least=0,
+                                            help="with --first-last-layers-bf16: layers kept bf16 at the end")
     gradient_accumulation_fusion: bool = option(
         False, group="speed", off_switch="--no-gradient-accumulation-fusion", help="accumulate each transformer-layer linear's weight gradient straight into its fp32 "
                                    "main grad inside the weight-gradient GEMM (parallel/wgrad.py); Megatron-LM has "
@@ -160,6 +167,9 @@ class TrainingConfig:
         check_fields(self)
         if self.fp8_format is not None:
             self._check_fp8()
+        elif self.first_last_layers_bf16:
+            raise ConfigError("TrainingConfig.first_last_layers_bf16 (--first-last-layers-bf16): expected "
+                              "--fp8-format as well (it keeps layers out of float8)")
         if self.bf16 and self.fp16:
             raise ConfigError("TrainingConfig: bf16 and fp16 are exclusive (--bf16 / --fp16: give at most one)")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:

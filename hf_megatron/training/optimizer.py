@@ -17,7 +17,8 @@ model-parallel group (tp x pp) and a parameter replicated over TP (no `tensor_pa
 is counted on tp rank 0 only; the last stage's copy of tied word embeddings is not counted
 (it equals the first stage's after the embedding all-reduce).  Grads are already summed over
 dp, so dp ranks hold identical norms.  If ||g|| > clip: g <- g * clip / (||g|| + 1e-6).
-With torch's fused AdamW the factor is applied inside the AdamW kernel (its `grad_scale`).
+With torch's fused AdamW the factor is applied inside the AdamW kernel (its `grad_scale`), and
+without an fp16 scaler the whole step is queued with no host sync (`launch_step`).
 
 Weight decay is not applied to biases and norm weights (every 1-D parameter).
 
@@ -203,8 +204,40 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None]:
         """Unscale, check inf/nan, clip, update, copy back. Returns (updated, grad_norm or None if skipped)."""
+        return self.finish_step(self.launch_step())
+
+    @torch.no_grad()
+    def launch_step(self) -> torch.Tensor | tuple[bool, float | None]:
+        """Queue the update; `finish_step` of the result gives step()'s (updated, grad_norm).
+
+        With torch's fused AdamW and no fp16 loss scaler nothing is read on the host: the norm,
+        the clip factor (the kernel's `grad_scale` = max((||g|| + 1e-6) / clip, 1): it divides
+        each gradient by it as it reads it) and the skip on a non-finite norm (the kernel's
+        `found_inf`: no update, no step count) stay on the device, and the result is the fp64
+        tensor [||g||, skipped] for the caller to read in a sync it makes anyway (train_step reads
+        it with the loss).  Otherwise the host decides as before and the result is the pair."""
         self.finish_grad_sync()
         grads = self._main_grads()
+        fused = bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
+        if not fused or self.scaler.dynamic or self.scaler.scale != 1.0:
+            return self._step_on_host(grads)
+        norm = self.grad_norm_tensor(grads)
+        skipped = (~torch.isfinite(norm)).to(torch.float32)  # 0-d: AdamW subtracts it from each 0-d step count
+        scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0) if self.clip_grad and self.clip_grad > 0 else None
+        self._update(grads, grad_scale=None if scale is None else scale.to(torch.float32).reshape(1),
+                     found_inf=skipped)
+        return torch.stack([norm, skipped.double()])
+
+    @staticmethod
+    def finish_step(launched, values: list[float] | None = None) -> tuple[bool, float | None]:
+        """(updated, grad_norm or None) of a `launch_step` result; `values`: that tensor already
+        read on the host (as a list)."""
+        if isinstance(launched, tuple):
+            return launched
+        norm, skipped = launched.tolist() if values is None else values
+        return (False, None) if skipped else (True, norm)
+
+    def _step_on_host(self, grads) -> tuple[bool, float | None]:
         if self.scaler.dynamic or self.scaler.scale != 1.0:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
             found_inf = self._unscale_and_check(grads)
@@ -220,23 +253,31 @@ class MixedPrecisionOptimizer:
         in_kernel = coeff < 1.0 and bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
         if coeff < 1.0 and not in_kernel:
             torch._foreach_mul_(grads, coeff)
+        # torch's fused AdamW divides each gradient by `grad_scale` as it reads it (the hook
+        # GradScaler uses): clipping costs no extra pass over the fp32 grads
+        scale = torch.full((1,), 1.0 / coeff, dtype=torch.float32, device=grads[0].device) if in_kernel else None
+        self._update(grads, grad_scale=scale)
+        return True, norm
+
+    def _update(self, grads, grad_scale=None, found_inf=None) -> None:
+        """AdamW on the main params with `grads` (fused kernel options `grad_scale` / `found_inf`),
+        then the cast back into the model params."""
         for main, g in zip(self.main_params, grads):
             main.grad = g
-        if in_kernel:
-            # torch's fused AdamW divides each gradient by `grad_scale` as it reads it (the hook
-            # GradScaler uses): clipping costs no extra pass over the fp32 grads
-            self.optimizer.grad_scale = torch.full((1,), 1.0 / coeff, dtype=torch.float32, device=grads[0].device)
+        for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+            if value is not None:
+                setattr(self.optimizer, name, value)
         try:
             self.optimizer.step()
         finally:
             self.optimizer.__dict__.pop("grad_scale", None)
+            self.optimizer.__dict__.pop("found_inf", None)
         copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
         for main in self.main_params:
             main.grad = None
         if copies:
             torch._foreach_copy_([v for v, _ in copies], [m for _, m in copies])  # cast back, fused
         self._after_update()
-        return True, norm
 
     def _after_update(self) -> None:
         """Hook for DistributedOptimizer (all-gather the updated params)."""
@@ -257,6 +298,10 @@ class MixedPrecisionOptimizer:
         return [state.get_state().group("mp")]
 
     def grad_norm(self, grads=None) -> float:
+        return float(self.grad_norm_tensor(grads))
+
+    def grad_norm_tensor(self, grads=None) -> torch.Tensor:
+        """The global gradient norm as an fp64 0-d tensor on the grads' device (no host sync)."""
         grads = self._main_grads() if grads is None else grads
         counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g.numel()]
         device = grads[0].device if grads else torch.device("cpu")
@@ -270,7 +315,7 @@ class MixedPrecisionOptimizer:
         for group in self._norm_groups():
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(total, group=group)
-        return float(total.sqrt())
+        return total.sqrt()
 
     # ---------------------------------------------------------------- checkpoint
     def _halves(self):

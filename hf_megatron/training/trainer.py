@@ -56,6 +56,8 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
     if cfg.fp8_format is not None:
         gpt_kwargs.setdefault("fp8", (cfg.fp8_format, cfg.fp8_recipe))
+        if cfg.first_last_layers_bf16:
+            gpt_kwargs.setdefault("fp8_bf16_layers", (cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16))
     gpt_kwargs.setdefault("gradient_accumulation_fusion", cfg.gradient_accumulation_fusion)
     return build_model_chunks(
         source, vpp=cfg.virtual_pipeline_model_parallel_size or 1, seed=cfg.seed,
@@ -140,18 +142,23 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     scale = (loss_scale * loss_weight / tokens).to(torch.float32)
     out = pipeline.forward_backward(chunks, micro_batches, loss_scale=scale)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
-    # read loss and token count now, in one sync that backward needs anyway before the grad norm,
-    # rather than after the update was queued (which would wait for the whole AdamW step)
-    loss_total, global_tokens = torch.cat([loss_sum, tokens.reshape(1)]).tolist()
+    totals = torch.cat([loss_sum, tokens.reshape(1)])
+    launched = None
+    if not accumulate:
+        optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
+        sync_sequence_parallel_grads(optimizer.model_params)
+        pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
+        launched = optimizer.launch_step()  # queued without a host sync where it can be
+        if isinstance(launched, torch.Tensor):
+            totals = torch.cat([totals, launched])
+    # one host sync per step: loss, token count (and the grad norm, when the update was queued on the device)
+    host = totals.tolist()
+    loss_total, global_tokens = host[:2]
     result = {"loss": loss_total / global_tokens, "grad_norm": None, "lr": lr, "skipped": False,
               "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
     if accumulate:
         return result
-
-    optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
-    sync_sequence_parallel_grads(optimizer.model_params)
-    pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
-    updated, grad_norm = optimizer.step()
+    updated, grad_norm = optimizer.finish_step(launched, host[2:] if isinstance(launched, torch.Tensor) else None)
     if updated and scheduler is not None:
         scheduler.step()
     return {**result, "grad_norm": grad_norm, "skipped": not updated}
