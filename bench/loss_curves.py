@@ -29,7 +29,8 @@ instead: ids drawn i.i.d. from a Zipf law (exponent 1.1, seed 0) -- learnable on
 statistics.  Step n uses windows n*b .. n*b+b-1 of seq+1 tokens (inputs = window[:-1],
 targets = window[1:]).
 
-Optimiser: AdamW, lr `--lr` (default 3e-4) after a 2-step linear warmup, constant after,
+Optimiser: AdamW, lr `--lr` (default 3e-4) after a linear warmup of `--warmup-iters` steps
+(default 2), constant after,
 clip 1.0, weight decay 0.01.  Per option the table lists the loss of each step (the loss the
 step computes, before its update) and  max_n |L_option(n) - L_default(n)| / L_default(n);
 an option passes when that is <= `--tolerance` (default 1%, the issue's bound).
@@ -91,13 +92,13 @@ def batches(spec, steps: int, data: str, device: str) -> list[dict]:
     return [{"input_ids": w[:, :-1].contiguous(), "targets": w[:, 1:].contiguous()} for w in windows]
 
 
-def run_option(spec, fields: dict, data: list[dict], lr: float, device: str) -> list[float]:
+def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, warmup: int = 2) -> list[float]:
     """The step losses of one option (raises ConfigError where the option cannot run here)."""
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     from hf_megatron.training.trainer import build_scheduler
     cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr,
-                         train_iters=len(data), **BASE, **fields)
+                         train_iters=len(data), **{**BASE, "lr_warmup_iters": warmup}, **fields)
     setup_parallel(cfg)
     try:
         source = throughput.hf_model(spec, device)  # seeded: the same initial weights for every option
@@ -124,7 +125,7 @@ def measure(spec, args) -> dict[str, dict]:
         else:
             throughput.free_memory(args.device)
             try:
-                results[name] = {"losses": run_option(spec, fields, data, args.lr, args.device)}
+                results[name] = {"losses": run_option(spec, fields, data, args.lr, args.device, args.warmup_iters)}
             except HFMegatronError as error:  # e.g. float8 without a float8 GPU: one line, said in the table
                 results[name] = {"skipped": str(error)}
             except Exception as error:  # out of memory, compile failure: a row, not a crash
@@ -166,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--data", choices=("text", "zipf"), default="text")
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-iters", type=int, default=2, help="linear lr warm-up steps (default 2)")
     parser.add_argument("--tolerance", type=float, default=0.01)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the model's tiny config (a CPU dry run)")
@@ -175,7 +177,7 @@ def main() -> None:
     spec = throughput.spec_of(args.model, args.tiny, args.batch)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"device {device_name}; model {args.model}{' (tiny)' if args.tiny else ''}, batch {spec.batch} x seq "
-          f"{spec.seq}, {args.steps} steps, data {args.data}, lr {args.lr}", flush=True)
+          f"{spec.seq}, {args.steps} steps, data {args.data}, lr {args.lr}, warm-up {args.warmup_iters} steps", flush=True)
     results = measure(spec, args)
     compare(results, args.tolerance)
     if args.out:
