@@ -243,9 +243,8 @@ def _megatron_lm_run(rank, world, root, dtype, save=save_torch_format):
     return losses, saved
 
 
-def train_k_steps(model, optimizer, scheduler):
-    """K of Megatron-LM's train_step (one global batch each) on random tokens (any data: only the
-    state after K steps matters); returns that step, step(tokens [GBS, SEQ + 1]) -> loss."""
+def megatron_lm_train_step(model, optimizer, scheduler):
+    """Megatron-LM's train_step on one global batch: step(tokens [GBS, SEQ + 1]) -> its loss."""
     def step(tokens: torch.Tensor) -> float:
         optimizer.zero_grad()
         loss = mcore_loss(model, tokens[:, :-1], tokens[:, 1:])
@@ -255,7 +254,13 @@ def train_k_steps(model, optimizer, scheduler):
         assert updated
         scheduler.step(increment=GBS)
         return loss.item()
+    return step
 
+
+def train_k_steps(model, optimizer, scheduler):
+    """K of Megatron-LM's train_step on random tokens (any data: only the state after K steps
+    matters); returns the step (megatron_lm_train_step)."""
+    step = megatron_lm_train_step(model, optimizer, scheduler)
     gen = torch.Generator().manual_seed(5)
     for _ in range(K):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
