@@ -57,21 +57,29 @@ def megatron_lm_flags(root: Path, dtype: str, *extra) -> list:
             "--norm-epsilon", eps, *extra]
 
 
-def _megatron_lm_trains_and_saves(rank, world, root, dtype, ckpt_format):
-    """K steps of Megatron-LM's model / optimizer / scheduler, iteration K written by its
-    save_checkpoint into <root>/megatron_lm, then its next two losses (next_two_losses).
-    Returns (losses, megatron-core's state at K by name)."""
+def megatron_lm_run(checkpoint_args_from: Path, root: Path, dtype: str, *flags):
+    """Megatron-LM's args (megatron_lm_flags + `flags`, the model's from `checkpoint_args_from`),
+    model parallel state (tp = pp = 1), model, optimizer and scheduler; returns them with its
+    checkpointing module."""
     checkpointing = import_megatron_lm()
     from megatron.core import parallel_state
-    root = Path(root)
-    args = megatron_lm_args(megatron_lm_flags(root, dtype, "--train-iters", K + 2, "--save", root / "megatron_lm",
-                                              "--save-interval", K, "--ckpt-format", ckpt_format),
-                            checkpoint_args_from=root / "converted")
+    args = megatron_lm_args(megatron_lm_flags(root, dtype, "--train-iters", K + 2, *flags),
+                            checkpoint_args_from=checkpoint_args_from)
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
     torch.manual_seed(3)
     model = megatron_lm_model(args)
-    optimizer, scheduler = megatron_lm_optimizer_and_scheduler(model, args)
+    return checkpointing, args, model, *megatron_lm_optimizer_and_scheduler(model, args)
+
+
+def _megatron_lm_trains_and_saves(rank, world, root, dtype, ckpt_format):
+    """K steps of Megatron-LM's model / optimizer / scheduler, iteration K written by its
+    save_checkpoint into <root>/megatron_lm, then its next two losses (next_two_losses).
+    Returns (losses, megatron-core's state at K by name)."""
+    from megatron.core import parallel_state
+    root = Path(root)
+    checkpointing, args, model, optimizer, scheduler = megatron_lm_run(
+        root / "converted", root, dtype, "--save", root / "megatron_lm", "--save-interval", K, "--ckpt-format", ckpt_format)
     step = train_k_steps(model, optimizer, scheduler)
     args.consumed_train_samples = K * GBS  # what its train loop counts
     random.seed(11), np.random.seed(12), torch.manual_seed(13)  # states no other step of the test has
@@ -132,18 +140,11 @@ def _megatron_lm_loads_ours(rank, world, root, dtype):
     """Megatron-LM's load_checkpoint of iteration K of our run (<root>/ours, --ckpt-step K) into
     its model, optimizer and scheduler, built from the checkpoint's args (load_args_from_checkpoint,
     as --use-checkpoint-args does); then megatron-core's next two losses (next_two_losses)."""
-    checkpointing = import_megatron_lm()
     from megatron.core import parallel_state
     from test_megatron_optimizer import param_names
     root = Path(root)
-    args = megatron_lm_args(megatron_lm_flags(root, dtype, "--train-iters", K + 2, "--load", root / "ours",
-                                              "--ckpt-format", "torch", "--ckpt-step", K),
-                            checkpoint_args_from=root / "ours")
-    parallel_state.initialize_model_parallel(1, 1)
-    _cpu_stand_ins()
-    torch.manual_seed(3)
-    model = megatron_lm_model(args)
-    optimizer, scheduler = megatron_lm_optimizer_and_scheduler(model, args)
+    checkpointing, args, model, optimizer, scheduler = megatron_lm_run(
+        root / "ours", root, dtype, "--load", root / "ours", "--ckpt-format", "torch", "--ckpt-step", K)
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     with megatron_lm_on_cpu():
         iteration, _ = checkpointing.load_checkpoint([model], optimizer, scheduler)
