@@ -48,6 +48,7 @@ from megatron_lm_checkout import (import_megatron_lm, megatron_lm_args, megatron
 from test_megatron_optimizer import (GBS, K, PADDED_VOCAB, _cpu_stand_ins, check_train_resumes_megatron_lm,
                                      megatron_core_state, megatron_lm_train_step, next_two_losses, resume_flags,
                                      train_k_steps)
+from test_torch_dist_resume import _check_rng_restored as check_rng_restored
 
 pytestmark = requires_megatron_lm
 
@@ -89,34 +90,15 @@ def _megatron_lm_trains_and_saves(rank, world, root, dtype, ckpt_format):
     step = train_k_steps(model, optimizer, scheduler)
     args.consumed_train_samples = K * GBS  # what its train loop counts
     random.seed(11), np.random.seed(12), torch.manual_seed(13)  # states no other step of the test has
+    (root / "megatron_lm").mkdir()
     with megatron_lm_on_cpu():
         # what get_rng_state collects now, for the test to compare with what our reader restores
-        torch.save(checkpointing.get_rng_state("torch", None, None), root / "megatron_lm_rng_state.pt")
+        torch.save(checkpointing.get_rng_state("torch", None, None), root / "megatron_lm" / "rng_state_saved.pt")
         checkpointing.save_checkpoint(K, [model], optimizer, scheduler, num_floating_point_operations_so_far=0)
     saved = megatron_core_state(model, optimizer)
     losses = next_two_losses(root, step, model)
     parallel_state.destroy_model_parallel()
     return losses, saved
-
-
-def _check_rng_restored(root: Path, arch: str, dtype: str) -> None:
-    """Our load_checkpoint sets Python's, numpy's and torch's generators to what Megatron-LM saved."""
-    from hf_megatron.parallel import state
-    from hf_megatron.training import build_model, setup_parallel
-    from hf_megatron.training.checkpoint import load_checkpoint
-    from tiny import tiny_hf_model
-    from training_helpers import training_config
-    saved = torch.load(root / "megatron_lm_rng_state.pt", weights_only=False)[0]
-    cfg = training_config({}, bf16=dtype == "bf16")
-    setup_parallel(cfg)
-    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
-    random.seed(0), np.random.seed(0), torch.manual_seed(0)
-    load_checkpoint(root / "megatron_lm", chunks, None, load_rng=True)
-    state.reset()
-    assert random.getstate() == saved["random_rng_state"]
-    got, want = np.random.get_state(), saved["np_rng_state"]
-    assert got[0] == want[0] and np.array_equal(got[1], want[1]) and got[2:] == want[2:]
-    assert torch.equal(torch.get_rng_state(), saved["torch_rng_state"])
 
 
 @pytest.mark.parametrize("arch, dtype, ckpt_format", [
@@ -137,7 +119,7 @@ def test_train_resumes_megatron_lms_own_save_checkpoint(arch, dtype, ckpt_format
     args = torch.load(entry, weights_only=False)["args"]
     assert not hasattr(args, "hf_config") and args.ckpt_format == ckpt_format
     assert args.consumed_train_samples == K * GBS and args.padded_vocab_size == PADDED_VOCAB
-    _check_rng_restored(tmp_path, arch, dtype)
+    check_rng_restored(tmp_path, arch, dtype)  # the RNG Megatron-LM's get_rng_state collected
 
 
 # ---------------------------------------------------------------- ours -> Megatron-LM
