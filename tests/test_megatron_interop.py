@@ -288,7 +288,11 @@ MEGATRON_LM = os.environ.get("HF_MEGATRON_MEGATRON_LM")
 LOADER_PROBE = r"""
 import sys, types
 megatron_lm, load_dir = sys.argv[1], sys.argv[2]
-sys.path[:0] = [megatron_lm + "/tools/checkpoint", megatron_lm]
+from megatron_lm_checkout import import_megatron_lm  # the checkout over the wheel, CPU shims (tests/)
+import_megatron_lm(megatron_lm)
+import megatron.training.arguments  # validate_args asks the GPU's arch at tp > 1: a Hopper's
+megatron.training.arguments.get_device_arch_version = lambda: 9
+sys.path.insert(0, megatron_lm + "/tools/checkpoint")
 import queue
 from loader_core import MegatronCheckpointLoaderLLM
 args = types.SimpleNamespace(load_dir=load_dir, megatron_path=megatron_lm, position_embedding_type=sys.argv[3],
@@ -305,7 +309,8 @@ print("OK", md.seq_length, md.tokenizer_type, md.params_dtype, md.previous_tenso
 def test_megatron_lm_loader_accepts_our_args(hf_sources, tmp_path):
     out = tmp_path / "llama"
     hf_to_megatron(hf_sources["llama"], out, tp=2, pp=2, dtype="bf16")
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", LOADER_PROBE, MEGATRON_LM, str(out), "rope"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

@@ -233,10 +233,19 @@ def _megatron_lm_run(rank, world, root, dtype, save=save_torch_format):
     args = safe_load(root / "converted/release/mp_rank_00/model_optim_rng.pt")["args"]  # the model's args
     torch.manual_seed(3)
     model = mcore_model(args)
-    optimizer, gen = megatron_core_optimizer(model, args), torch.Generator().manual_seed(5)
+    optimizer = megatron_core_optimizer(model, args)
     scheduler = megatron_core_scheduler(optimizer)
+    step = train_k_steps(model, optimizer, scheduler)
+    write_megatron_lm_iteration(root, args, model, optimizer, scheduler, save)
+    saved = megatron_core_state(model, optimizer)
+    losses = next_two_losses(root, step, model)
+    parallel_state.destroy_model_parallel()
+    return losses, saved
 
-    def step(tokens: torch.Tensor) -> float:  # Megatron-LM's train_step on one global batch
+
+def megatron_lm_train_step(model, optimizer, scheduler):
+    """Megatron-LM's train_step on one global batch: step(tokens [GBS, SEQ + 1]) -> its loss."""
+    def step(tokens: torch.Tensor) -> float:
         optimizer.zero_grad()
         loss = mcore_loss(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
@@ -245,14 +254,17 @@ def _megatron_lm_run(rank, world, root, dtype, save=save_torch_format):
         assert updated
         scheduler.step(increment=GBS)
         return loss.item()
+    return step
 
-    for _ in range(K):  # any data: only the state after K steps matters
+
+def train_k_steps(model, optimizer, scheduler):
+    """K of Megatron-LM's train_step on random tokens (any data: only the state after K steps
+    matters); returns the step (megatron_lm_train_step)."""
+    step = megatron_lm_train_step(model, optimizer, scheduler)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(K):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
-    write_megatron_lm_iteration(root, args, model, optimizer, scheduler, save)
-    saved = megatron_core_state(model, optimizer)
-    losses = next_two_losses(root, step, model)
-    parallel_state.destroy_model_parallel()
-    return losses, saved
+    return step
 
 
 def write_megatron_lm_iteration(root: Path, args, model, optimizer, scheduler, save=save_torch_format) -> Path:
@@ -317,9 +329,10 @@ def resume_flags(tmp_path, dtype) -> list:
             *(["--bf16"] if dtype == "bf16" else [])]
 
 
-def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> dict:
-    """megatron-core's run saved by `save` (see _megatron_lm_run); `hf-megatron train --load` continues
-    it with megatron-core's next two losses, and our reader holds its optimizer state exactly.
+def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save, run=None) -> dict:
+    """megatron-core's run saved by `save` (`run`, default _megatron_lm_run, called as run(rank, world,
+    root, dtype, save)); `hf-megatron train --load` continues it with megatron-core's next two losses,
+    and our reader holds its optimizer state exactly.
     Returns megatron-core's state at iteration K by name (megatron_core_state)."""
     from hf_megatron.conversion.convert import hf_to_megatron
     from test_convert_helpers import save_hf
@@ -328,7 +341,7 @@ def check_train_resumes_megatron_lm(tmp_path, arch, dtype, save) -> dict:
     # a vocabulary with no padding: Megatron-LM's loss runs over the padded vocabulary (its padded rows,
     # randomly initialised, take part in the softmax); ours masks the padding out, as transformers has none
     hf_to_megatron(save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB), tmp_path / "converted", dtype=dtype)
-    expected, saved = run_distributed(_megatron_lm_run, 1, (str(tmp_path), dtype, save))[0]
+    expected, saved = run_distributed(run or _megatron_lm_run, 1, (str(tmp_path), dtype, save))[0]
     ours = resume_with_train(tmp_path, dtype)
     # measured: fp32 1.6e-7 and 0; bf16 4e-5 and 8e-6 (two implementations' bf16 rounding)
     tolerance = 1e-6 if dtype == "fp32" else 1e-3
