@@ -1,6 +1,6 @@
-"""The distributed optimizer's checkpoint (Megatron-LM's layout: model_optim_rng.pt holds param
+"""The distributed optimizer's checkpoint (megatron-core's layout: model_optim_rng.pt holds param
 groups and loss scaler, distrib_optim.pt beside it the main weights and Adam moments gathered
-from every dp rank): a dp=2 run saved and resumed in fresh objects continues bit for bit, with
+from every dp rank into its grad-buffer tensors): a dp=2 run saved and resumed in fresh objects continues bit for bit, with
 overlapped grad reduce and param gather, in fp32 and bf16; and a checkpoint written by one
 optimizer loads into the other (full state <-> distributed), continuing within rel 1e-6 (the two
 sum the squared grad norm in different orders).  Mirrors test_checkpoint_resume.py's 4-step run.
@@ -8,6 +8,7 @@ sum the squared grad norm in different orders).  Mirrors test_checkpoint_resume.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dist import run_distributed
 from test_checkpoint_resume import SAVE_AT, batches, model_config, run_and_resume, training_config
@@ -59,17 +60,26 @@ def test_distributed_optimizer_resumes_exactly(tmp_path):
         uninterrupted, resumed = r["fp32"]
         assert resumed == uninterrupted
         assert len(set(uninterrupted)) == len(uninterrupted)
-    assert set(results[0]["model_file"]) == {"optimizer", "grad_scaler", "distributed_optimizer"}
-    assert "state" not in results[0]["model_file"]["optimizer"]
+    # megatron-core's DistributedOptimizer.state_dict(): param groups without params, with the step; no
+    # scaler (fp32); distrib_optim.pt its get_parameter_state_dp_zero() (test_megatron_distrib_optim.py
+    # has megatron-core load both)
+    entry = results[0]["model_file"]
+    assert set(entry) == {"optimizer"} and set(entry["optimizer"]) == {"param_groups"}
+    assert [g["step"] for g in entry["optimizer"]["param_groups"]] == [float(SAVE_AT)] * 2
+    assert not any("params" in g for g in entry["optimizer"]["param_groups"])
     rank_dir = tmp_path / "fp32" / f"iter_{SAVE_AT:07d}" / "mp_rank_00"
     files = ["distrib_optim.pt", "model_optim_rng.pt"]  # each with its sha256 sidecar
     assert sorted(p.name for p in rank_dir.iterdir()) == sorted(files + [f + ".sha256" for f in files])
     from hf_megatron.checkpoint.unpickle import safe_load
     saved = safe_load(rank_dir / "distrib_optim.pt")
-    assert saved["step"] == SAVE_AT and saved["param"].numel() == sum(saved["numels"])
+    assert saved["buckets_coalesced"] is True and sorted(k for k in saved if k != "buckets_coalesced") == [0]
+    (key, tensors), = saved[0].items()
+    assert key == (torch.float32, torch.float32) and tensors["param"].numel() == tensors["numel_unpadded"]
     # the moments of both dp shards are there (~half would be 0 without rank 1; zero-grad rows of
-    # unseen tokens and key biases leave a few)
-    assert (saved["exp_avg_sq"] > 0).float().mean() > 0.9
+    # unseen tokens, key biases and the 64-element alignment gaps leave a few)
+    assert (tensors["exp_avg_sq"] > 0).float().mean() > 0.9
+    args = safe_load(rank_dir / "model_optim_rng.pt")["args"]  # the flags the layout follows
+    assert (args.use_distributed_optimizer, args.overlap_grad_reduce, args.ddp_bucket_size) == (True, True, 3000)
 
 
 def _switch_worker(rank, world, save_root):
