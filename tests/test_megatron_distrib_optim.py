@@ -21,6 +21,15 @@ param alignment inside buckets); megatron-core at dp 1 and at dp 2 (each rank st
 save_parameter_state gathers them on dp rank 0; its state is compared through every rank's shards),
 resumed by ours at dp 1 with either of our optimizers.
 
+The other way: `hf-megatron train --use-distributed-optimizer` (dp 1 in-process, dp 2 under torchrun; fp32
+and bf16; one bucket and --overlap-grad-reduce with several) saves iteration K and runs on to K+2;
+megatron-core builds its model, DDP and DistributedOptimizer from that checkpoint's args and loads it as
+Megatron-LM's load_checkpoint does (model, `optimizer.load_state_dict`, `optimizer.load_parameter_state`,
+scheduler), then takes steps K+1 and K+2: its losses equal ours, and its state (through its own
+accessors, over the dp ranks' shards) equals, name by name, what our reader takes from the same files.
+One more CPU stand-in there (`_with_torch_adam_step`): torch's Adam keeps a per-param "step" that
+FusedAdam (Megatron-LM on GPUs) does not, which megatron-core's load_parameter_state cannot fill.
+
 megatron-core on CPU: exactly tests/test_megatron_optimizer.py's patches (`megatron_core_on_cpu` around
 building and stepping the optimizer: device='cuda' scalars made on CPU, CUDA type names for CPU tensors;
 `_cpu_stand_ins`: torch.cuda.current_device() -> "cpu", which also places DDP's grad buffers on CPU, and
@@ -240,3 +249,109 @@ def test_buffer_layout_is_megatron_cores_for_any_bucket_size():
     buckets = [b for *_, b in results]
     assert buckets[0] == 1 and buckets[1] > buckets[2] > buckets[3] > 1  # one param per bucket at size 1
     assert buckets[5] == 2  # the shared embedding alone (it is the buffer's last param: reverse order)
+
+
+# ---------------------------------------------------------------- ours -> megatron-core
+
+def _with_torch_adam_step(optimizer) -> None:
+    """A CPU stand-in for Megatron-LM's GPU optimizer.  megatron-core's load_parameter_state copies every
+    entry of a param's optimizer state from the file; with apex / TE FusedAdam (Megatron-LM on GPUs)
+    those are exp_avg and exp_avg_sq, but torch's Adam (its CPU fallback) also holds "step", which no
+    distrib_optim.pt has (megatron-core's own neither), and load_state_dict gave every param the same
+    step tensor, which torch's Adam would then increment once per param.  So each param gets its own
+    copy of the step load_state_dict set from the param groups, passed along as it stands."""
+    (inner,) = optimizer.chained_optimizers
+    real = inner._set_main_param_and_optimizer_states
+
+    def with_step(model_param, tensors):
+        group_index, group_order = inner.model_param_group_index_map[model_param]
+        entry = inner.optimizer.state[inner.optimizer.param_groups[group_index]["params"][group_order]]
+        entry["step"] = entry["step"].clone()
+        real(model_param, {**tensors, "step": entry["step"]})
+    inner._set_main_param_and_optimizer_states = with_step
+
+
+def _megatron_core_resumes_ours(rank, world, folder, root):
+    """Megatron-LM's load_checkpoint (torch format, --use-distributed-optimizer) of our iteration K in
+    `folder`: its model, DDP and optimizer built from the checkpoint's args, then model.load_state_dict,
+    optimizer.load_state_dict(the optimizer entry), optimizer.load_parameter_state(distrib_optim.pt),
+    opt_param_scheduler.load_state_dict; then (its state by its own accessors, its losses at K+1 and K+2)."""
+    import copy
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1, 1)
+    _cpu_stand_ins()
+    rank_dir = Path(folder) / f"iter_{K:07d}" / "mp_rank_00"
+    payload = safe_load(rank_dir / "model_optim_rng.pt")
+    args = payload["args"]
+    assert args.use_distributed_optimizer and args.data_parallel_size == world
+    model = mcore_model(args)
+    ddp, optimizer = _ddp_and_optimizer(model, args)
+    loaded = getattr(model, "module", model).load_state_dict(payload["model"], strict=False)
+    assert not loaded.unexpected_keys and all(k.endswith("_extra_state") for k in loaded.missing_keys)
+    _with_torch_adam_step(optimizer)
+    # no_grad: an fp32 model's main shards are views of its params, which load_parameter_state copies into
+    with megatron_core_on_cpu(), torch.no_grad():
+        optimizer.load_state_dict(copy.deepcopy(payload["optimizer"]))
+        optimizer.load_parameter_state(str(rank_dir / "distrib_optim.pt"))
+    scheduler = megatron_core_scheduler(optimizer)
+    scheduler.load_state_dict(payload["opt_param_scheduler"])
+    shards = _megatron_core_shards(model, optimizer)
+    groups = [(g["wd_mult"], g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    losses = next_two_losses(Path(root), _megatron_lm_train_step(ddp, optimizer, scheduler, rank, world), ddp)
+    parallel_state.destroy_model_parallel()
+    return losses, shards, [len(b.buckets) for b in ddp.buffers], groups
+
+
+@pytest.mark.parametrize("arch, dtype, dp, bucket_size", [
+    ("gpt2", "fp32", 1, None), ("qwen2", "bf16", 2, 20000),
+    pytest.param("qwen2", "fp32", 2, 20000, marks=pytest.mark.slow),
+    pytest.param("llama", "bf16", 1, 5000, marks=pytest.mark.slow),
+    pytest.param("gpt2", "bf16", 2, None, marks=pytest.mark.slow)])
+def test_megatron_core_resumes_our_distributed_optimizer_checkpoint(arch, dtype, dp, bucket_size, tmp_path):
+    """`hf-megatron train --use-distributed-optimizer` saves iteration K and goes on to K+2; megatron-core
+    loads iteration K as Megatron-LM does and takes the same two steps: its losses are ours, and what it
+    loaded is, param by param, the state our reader (checked above against megatron-core's own files)
+    takes from the same files."""
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from test_convert_helpers import save_hf
+    from test_megatron_optimizer import resume_flags
+    from test_reshard_optimizer import losses, run_train
+    from tiny import tiny_hf_model
+    from train_cli import make_workspace
+    from training_helpers import training_config
+    make_workspace(tmp_path)
+    save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB)
+    save = tmp_path / "ours"
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", bucket_size] if bucket_size else []
+    run_train(dp, "--hf-model", tmp_path / "hf", *resume_flags(tmp_path, dtype), "--train-iters", K + 2,
+              "--use-distributed-optimizer", *overlap, "--save", save, "--save-interval", K,
+              "--tensorboard-dir", save / "tb")
+    ours = losses(save / "tb")
+    runs = run_distributed(_megatron_core_resumes_ours, dp, (str(save), str(tmp_path)))
+    expected, _, buckets, groups = runs[0]
+    assert (buckets[0] > 2) == (bucket_size is not None)  # several buckets, alignment gaps between them
+    assert [wd for wd, *_ in groups] == [1.0, 0.0]
+    assert all(weight_decay == (HP["weight_decay"] if wd else 0.0) for wd, _, weight_decay in groups)
+    theirs = _whole([shards for _, shards, *_ in runs])
+    cfg = training_config({}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(save, chunks, optimizer, iteration=K, load_rng=False) == K
+    mine = our_state(chunks[0], optimizer)
+    state.reset()
+    assert sorted(mine) == sorted(theirs)
+    for name, (step, main, exp_avg, exp_avg_sq) in theirs.items():
+        assert mine[name][0] == step == float(K), name
+        for got, want in zip((mine[name][3], mine[name][1], mine[name][2]), (main, exp_avg, exp_avg_sq)):
+            assert torch.equal(got.reshape(-1), want), name
+
+    # measured (K+1, K+2): gpt2 fp32 dp1 8e-8, 0; qwen2 bf16 dp2 1.1e-5, 2.6e-5; qwen2 fp32 dp2 8e-8, 8e-8;
+    # llama bf16 dp1 2.1e-5, 2.9e-5; gpt2 bf16 dp2 9.1e-6, 1.0e-6
+    tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
+    print(f"relative loss differences: {abs(expected[0] - ours[K + 1]) / ours[K + 1]:.1e}, "
+          f"{abs(expected[1] - ours[K + 2]) / ours[K + 2]:.1e}")
+    assert expected[0] == pytest.approx(ours[K + 1], rel=tolerance)  # the loaded weights
+    assert expected[1] == pytest.approx(ours[K + 2], rel=tolerance)  # one update with the loaded moments
