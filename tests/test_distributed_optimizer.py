@@ -98,3 +98,42 @@ def test_bf16_resume_and_checkpoints_switch_between_optimizers(tmp_path):
             uninterrupted, resumed = r[name]
             for ours, ref in zip(resumed, uninterrupted):
                 assert abs(ours - ref) <= 1e-6 * abs(ref), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_our_earlier_flat_distrib_optim_still_loads(dtype, tmp_path):
+    """What our distributed optimizer wrote before it wrote megatron-core's layout: model_optim_rng.pt's
+    entry {"optimizer": {"param_groups"}, "grad_scaler", "distributed_optimizer": True} and
+    distrib_optim.pt = {"numels", "step", "param", "exp_avg", "exp_avg_sq"}, each tensor flat over the
+    params in `model_params` order.  Written here by that rule from a trained optimizer's live state, it
+    loads into the distributed optimizer with that state, name by name."""
+    from hf_megatron.checkpoint.files import save_atomic
+    from hf_megatron.checkpoint.unpickle import safe_load
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_optimizer
+    from hf_megatron.training.checkpoint import load_checkpoint, save_checkpoint
+    from test_megatron_optimizer import _trained, our_state
+    state.reset()
+    cfg, chunks, optimizer = _trained(dtype)
+    expected = our_state(chunks[0], optimizer)
+    save_checkpoint(tmp_path, 2, chunks, optimizer)
+    rank_dir = tmp_path / "iter_0000002" / "mp_rank_00"
+    payload = safe_load(rank_dir / "model_optim_rng.pt")
+    payload["optimizer"] = {"optimizer": {"param_groups": optimizer.optimizer.state_dict()["param_groups"]},
+                            "grad_scaler": {}, "distributed_optimizer": True}
+    save_atomic(payload, rank_dir / "model_optim_rng.pt")
+    name_of = {id(p): n for n, p in chunks[0].named_parameters()}
+    names = [name_of[id(p)] for p in optimizer.model_params]
+    flat = {"numels": [p.numel() for p in optimizer.model_params], "step": 2,
+            **{key: torch.cat([expected[n][i].reshape(-1).float() for n in names])
+               for key, i in (("param", 3), ("exp_avg", 1), ("exp_avg_sq", 2))}}
+    save_atomic(flat, rank_dir / "distrib_optim.pt")
+    fresh = build_optimizer(chunks, training_config(use_distributed_optimizer=True, bf16=dtype == "bf16"))
+    assert fresh.sharded and load_checkpoint(tmp_path, chunks, fresh, load_rng=False) == 2
+    got = our_state(chunks[0], fresh)  # dp 1: one fragment per param, whole
+    state.reset()
+    assert sorted(got) == sorted(expected)
+    for name, (step, exp_avg, exp_avg_sq, main) in expected.items():
+        assert got[name][0] == step == 2.0, name
+        for mine, want in zip(got[name][1:], (exp_avg, exp_avg_sq, main)):
+            assert torch.equal(mine.reshape(-1), want.reshape(-1)), name  # ours: flat fragments
