@@ -47,7 +47,7 @@ from .megatron_distrib_optim import (empty_megatron_state, is_megatron_distrib_o
                                      training_layout)
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
-from .torch_dist_resume import is_torch_dist_folder, read_torch_dist
+from .torch_dist_resume import PARAMETER_STATE, is_torch_dist_folder, read_torch_dist
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
@@ -272,7 +272,9 @@ def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0
     or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
     folder = path.parent
     zero1_files = sorted(folder.glob("optim_dp_*.pt"))
-    if (folder / DISTRIB_OPTIM_FILE).is_file():
+    if PARAMETER_STATE in payload:  # torch_dist: megatron-core's distributed optimizer, read by torch_dist_resume
+        optimizer.load_state_dict(payload["optimizer"], parameter_state=payload[PARAMETER_STATE])
+    elif (folder / DISTRIB_OPTIM_FILE).is_file():
         if "optimizer" not in payload:
             raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
         parameter_state = safe_load(folder / DISTRIB_OPTIM_FILE)
