@@ -113,7 +113,51 @@ def _whole(runs) -> dict:
     return {name: (steps[name].pop() if len(steps[name]) == 1 else None, *whole) for name, whole in saved.items()}
 
 
-def _megatron_lm_distributed_run(rank, world, root, bucket_size):
+def _save_torch_dist(root: Path, args, model, optimizer, scheduler, sharding: str) -> None:
+    """Megatron-LM's save_checkpoint with --ckpt-format torch_dist and the distributed optimizer
+    (`generate_state_dict`; the model unwrapped, as save_checkpoint does; `_build_sharded_state_dict_metadata`:
+    `sharding` 'dp_reshardable' is its default, 'fully_reshardable' with --dist-ckpt-optim-fully-reshardable
+    and --distrib-optim-fully-reshardable-mem-efficient, whose gather runs on gloo) -- collective."""
+    from test_torch_dist_resume import save_sharded
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "distrib_optim_sharding_type": sharding, "distrib_optim_fully_reshardable_mem_efficient": True}
+    args.ckpt_format, args.iteration, args.consumed_train_samples, args.no_save_rng = "torch_dist", K, K * GBS, True
+    folder = root / "megatron_lm" / f"iter_{K:07d}"
+    if torch.distributed.get_rank() == 0:
+        folder.mkdir(parents=True)
+        (root / "megatron_lm" / "latest_checkpointed_iteration.txt").write_text(str(K))
+    torch.distributed.barrier()
+    save_sharded(folder, {"args": args, "checkpoint_version": 3.0, "iteration": K}, model, optimizer, scheduler,
+                 metadata)
+
+
+def our_loaded_optimizer(load_dir: Path, arch: str, dtype: str, distributed: bool, **load):
+    """(cfg, chunks, optimizer): our model and optimizer at dp 1 in this process, iteration K of `load_dir`
+    loaded into them."""
+    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training.checkpoint import load_checkpoint
+    from tiny import tiny_hf_model
+    from training_helpers import training_config
+    cfg = training_config({"zero": distributed}, bf16=dtype == "bf16")
+    setup_parallel(cfg)
+    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
+    optimizer = build_optimizer(chunks, cfg)
+    assert load_checkpoint(load_dir, chunks, optimizer, load_rng=False, **load) == K
+    return cfg, chunks, optimizer
+
+
+def assert_same_state(ours: dict, theirs: dict) -> None:
+    """our_state(...) equals _whole(...) of megatron-core's shards: every name, step K, exact tensors."""
+    assert sorted(ours) == sorted(theirs)
+    for name, (step, main, exp_avg, exp_avg_sq) in theirs.items():
+        assert ours[name][0] == step == float(K), name
+        for got, want in zip((ours[name][3], ours[name][1], ours[name][2]), (main, exp_avg, exp_avg_sq)):
+            assert torch.equal(got.reshape(-1), want), name
+
+
+def _megatron_lm_distributed_run(rank, world, root, bucket_size, sharding=None):
+    """megatron-core trains K steps with the distributed optimizer and saves iteration K: torch format
+    (`sharding` None) or torch_dist with that distributed-optimizer sharding; then continues."""
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(1, 1)
     _cpu_stand_ins()
@@ -131,10 +175,13 @@ def _megatron_lm_distributed_run(rank, world, root, bucket_size):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
     buckets = [len(b.buckets) for b in ddp.buffers]
     folder = root / "megatron_lm" / f"iter_{K:07d}" / "mp_rank_00"
-    if rank == 0:  # dp rank 0 writes model_optim_rng.pt; the parameter state is gathered there (collective)
-        write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
-    torch.distributed.barrier()
-    optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
+    if sharding is not None:
+        _save_torch_dist(root, args, model, optimizer, scheduler, sharding)
+    else:
+        if rank == 0:  # dp rank 0 writes model_optim_rng.pt; the parameter state is gathered there (collective)
+            write_megatron_lm_iteration(root, args, ddp, optimizer, scheduler)
+        torch.distributed.barrier()
+        optimizer.save_parameter_state(str(folder / "distrib_optim.pt"))
     shards = _megatron_core_shards(model, optimizer)
 
     losses = next_two_losses(root, step, ddp)
@@ -160,15 +207,9 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp,
 
     # what our reader placed is megatron-core's state, name by name, exactly
     from hf_megatron.parallel import state
-    from hf_megatron.training import build_model, build_optimizer, setup_parallel
+    from hf_megatron.training import build_optimizer
     from hf_megatron.training.checkpoint import load_checkpoint
-    from tiny import tiny_hf_model
-    from training_helpers import training_config
-    cfg = training_config({"zero": ours_distributed}, bf16=dtype == "bf16")
-    setup_parallel(cfg)
-    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
-    optimizer = build_optimizer(chunks, cfg)
-    assert load_checkpoint(tmp_path / "megatron_lm", chunks, optimizer, load_rng=False) == K
+    cfg, chunks, optimizer = our_loaded_optimizer(tmp_path / "megatron_lm", arch, dtype, ours_distributed)
     loaded = our_state(chunks[0], optimizer)
     # a file that does not fit this model's layout: one line naming it
     from hf_megatron.errors import CheckpointError
@@ -189,11 +230,7 @@ def test_train_resumes_megatron_core_distrib_optim(arch, dtype, bucket_size, dp,
         resharded = our_state(chunks[0], fresh)
     state.reset()
     for ours in (loaded, resharded) if resharded else (loaded,):
-        assert sorted(ours) == sorted(saved)
-        for name, (step, main, exp_avg, exp_avg_sq) in saved.items():
-            assert ours[name][0] == step == float(K), name
-            for got, want in zip((ours[name][3], ours[name][1], ours[name][2]), (main, exp_avg, exp_avg_sq)):
-                assert torch.equal(got.reshape(-1), want), name
+        assert_same_state(ours, saved)
 
     ours = resume_with_train(tmp_path, dtype, *(["--use-distributed-optimizer"] if ours_distributed else []))
     # measured (K+1, K+2): gpt2 fp32 dp1 8e-8, 0; qwen2 bf16 4.3e-5, 8.3e-6; qwen2 fp32 dp2 0, 8e-8
@@ -313,14 +350,10 @@ def test_megatron_core_resumes_our_distributed_optimizer_checkpoint(arch, dtype,
     loaded is, param by param, the state our reader (checked above against megatron-core's own files)
     takes from the same files."""
     from hf_megatron.parallel import state
-    from hf_megatron.training import build_model, build_optimizer, setup_parallel
-    from hf_megatron.training.checkpoint import load_checkpoint
     from test_convert_helpers import save_hf
     from test_megatron_optimizer import resume_flags
     from test_reshard_optimizer import losses, run_train
-    from tiny import tiny_hf_model
     from train_cli import make_workspace
-    from training_helpers import training_config
     make_workspace(tmp_path)
     save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB)
     save = tmp_path / "ours"
@@ -335,18 +368,10 @@ def test_megatron_core_resumes_our_distributed_optimizer_checkpoint(arch, dtype,
     assert [wd for wd, *_ in groups] == [1.0, 0.0]
     assert all(weight_decay == (HP["weight_decay"] if wd else 0.0) for wd, _, weight_decay in groups)
     theirs = _whole([shards for _, shards, *_ in runs])
-    cfg = training_config({}, bf16=dtype == "bf16")
-    setup_parallel(cfg)
-    chunks = build_model(tiny_hf_model(arch, vocab_size=PADDED_VOCAB), cfg)
-    optimizer = build_optimizer(chunks, cfg)
-    assert load_checkpoint(save, chunks, optimizer, iteration=K, load_rng=False) == K
+    _, chunks, optimizer = our_loaded_optimizer(save, arch, dtype, distributed=False, iteration=K)
     mine = our_state(chunks[0], optimizer)
     state.reset()
-    assert sorted(mine) == sorted(theirs)
-    for name, (step, main, exp_avg, exp_avg_sq) in theirs.items():
-        assert mine[name][0] == step == float(K), name
-        for got, want in zip((mine[name][3], mine[name][1], mine[name][2]), (main, exp_avg, exp_avg_sq)):
-            assert torch.equal(got.reshape(-1), want), name
+    assert_same_state(mine, theirs)
 
     # measured (K+1, K+2): gpt2 fp32 dp1 8e-8, 0; qwen2 bf16 dp2 1.1e-5, 2.6e-5; qwen2 fp32 dp2 8e-8, 8e-8;
     # llama bf16 dp1 2.1e-5, 2.9e-5; gpt2 bf16 dp2 9.1e-6, 1.0e-6

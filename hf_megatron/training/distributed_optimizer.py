@@ -142,11 +142,24 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return max((int(g["step"]) for g in self.optimizer.param_groups if g.get("step") is not None), default=0)
 
     @torch.no_grad()
-    def parameter_state(self, place: dict[int, tuple[dict, int]] | None) -> None:
+    def parameter_state(self, place: dict[int, tuple[dict, int]] | None = None) -> dict | None:
         """Collective over dp: every param's main weight and Adam moments, gathered bucket by bucket
         onto dp rank 0, written into `place` there: {id(param): (tensors, offset)} -> elements
         [offset, offset + numel) of tensors["param" / "exp_avg" / "exp_avg_sq"]
-        (megatron_distrib_optim.empty_megatron_state); None on the other ranks."""
+        (megatron_distrib_optim.empty_megatron_state).  Without `place`, dp rank 0 gathers into our
+        flat layout (optimizer_state.py) and returns it; other ranks return None."""
+        flat = None
+        if place is None and self.grad_buffer.dp_rank == 0:
+            numels = [p.numel() for p in self.model_params]
+            flat = {key: torch.zeros(sum(numels), dtype=torch.float32) for key in ("param", *MOMENTS)}
+            starts = torch.tensor([0] + numels).cumsum(0).tolist()
+            place = {id(p): (flat, start) for p, start in zip(self.model_params, starts)}
+        self._gather_into(place)
+        return None if flat is None else {"numels": numels, "step": self._step_count(), **flat}
+
+    def _gather_into(self, place: dict[int, tuple[dict, int]] | None) -> None:
+        """parameter_state's gather: per bucket and key, this rank's shard all-gathered, dp rank 0
+        copying each param's elements to where `place` says."""
         buffer = self.grad_buffer
         buffer.wait_param_gather()
         mine = {id(p): (lo, main) for (p, lo, _), main in zip(self.fragments, self.main_params)}

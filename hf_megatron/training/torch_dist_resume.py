@@ -19,8 +19,24 @@ What such an iteration folder holds (`generate_state_dict` with use_dist_ckpt, n
     rng_state    a byte entry `rng_state/shard_<pp>.<tp>_<PP>.<TP>` per (pp, tp) rank: its RNG list
 
 megatron-core's ChainedOptimizer of one optimizer (a dense model) saves its one optimizer's entry as is.
-The distributed optimizer's entry (`param_state_sharding_type`, Megatron-LM's default 'dp_reshardable':
-flat buffers cut per dp rank) is refused in one line: resume it with --no-load-optim.
+With the distributed optimizer (common.pt's optimizer entry names its `param_state_sharding_type`) either
+of the two shardings Megatron-LM writes is read (`_distributed_optimizer_state`), into our parameter
+state (optimizer_state.py), which load_checkpoint hands to the optimizer with the param groups:
+
+    fully_reshardable   optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>: each weight's shape,
+                        fp32; param groups (each with the step) and grad_scaler in common.pt -- any
+                        TP/PP layout, as the model's tensors
+    dp_reshardable      (Megatron-LM's default) per grad buffer g and bucket b
+                        optimizer.distributed.dp_group_idx_<r>.gbuf_idx_<g>.dtype_<(param dtype, grad
+                        dtype)>.bucket_idx_<b>.{param,exp_avg,exp_avg_sq}: the bucket's unpadded
+                        elements; `...dp_group_idx_<r>.optimizer` / `.grad_scaler` ShardedObjects hold
+                        the param groups and scaler.  r is the rank in megatron-core's model-parallel
+                        group (pp_rank * tp + tp_rank); the buckets concatenated are distrib_optim.pt's
+                        coalesced tensors, read by megatron_distrib_optim.py's layout -- so only at
+                        the saved TP/PP (any dp), as megatron-core itself.
+
+Other shardings (fully_sharded_model_space, dp_zero_gather_scatter, fsdp_dtensor) are refused in one line:
+resume them with --no-load-optim.
 
 `read_torch_dist` turns that into what a torch-format rank file of this rank would hold: every model
 chunk's tensors (cut for this rank's TP shard and pipeline stage) and the optimizer entry in
