@@ -129,6 +129,7 @@ CASES = [  # (source layout, target layout, architecture)
     ({"pp": 2, "dp": 2, "distributed": True}, {"tp": 2}, "gpt2"),  # distrib_optim.pt with tied buckets alone
     ({}, {"pp": 2, "vpp": 2}, "llama4"),  # virtual pipeline chunks, both ways
     ({"pp": 2, "vpp": 2}, {"tp": 2}, "llama4"),
+    ({"pp": 2, "vpp": 2, "distributed": True}, {}, "llama4"),  # distrib_optim.pt: a grad buffer per chunk
 ]
 
 
