@@ -66,13 +66,16 @@ def _ddp_and_optimizer(model, args):
         return ddp, get_megatron_optimizer(config, [ddp])
 
 
-def _megatron_lm_train_step(ddp, optimizer, scheduler, rank: int, world: int):
-    """Megatron-LM's train_step on one global batch [GBS, SEQ + 1], split over the dp ranks; returns the
-    global batch's loss."""
+def _megatron_lm_train_step(ddp, optimizer, scheduler):
+    """Megatron-LM's train_step on one global batch [GBS, SEQ + 1], split over the dp ranks (tp ranks see the
+    same samples); returns the global batch's loss."""
+    from megatron.core import parallel_state
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
     def step(tokens: torch.Tensor) -> float:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        mine = tokens.chunk(world)[rank]
+        mine = tokens.chunk(dp)[dp_rank]
         loss = mcore_loss(ddp, mine[:, :-1], mine[:, 1:])
         loss.backward()
         ddp.finish_grad_sync()  # grads averaged over dp (DDP's 1/dp scaling): the global batch's mean
@@ -81,8 +84,8 @@ def _megatron_lm_train_step(ddp, optimizer, scheduler, rank: int, world: int):
         assert updated
         scheduler.step(increment=GBS)
         total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        return total.item() / world
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return total.item() / dp
     return step
 
 
@@ -155,21 +158,21 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
             assert torch.equal(got.reshape(-1), want), name
 
 
-def _megatron_lm_distributed_run(rank, world, root, bucket_size, sharding=None):
-    """megatron-core trains K steps with the distributed optimizer and saves iteration K: torch format
-    (`sharding` None) or torch_dist with that distributed-optimizer sharding; then continues."""
+def _megatron_lm_distributed_run(rank, world, root, bucket_size, sharding=None, tp=1):
+    """megatron-core trains K steps with the distributed optimizer at tp x dp = world and saves iteration K:
+    torch format (`sharding` None) or torch_dist with that distributed-optimizer sharding; then continues."""
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, 1)
     _cpu_stand_ins()
     root = Path(root)
     args = safe_load(root / "converted/release/mp_rank_00/model_optim_rng.pt")["args"]
-    args.use_distributed_optimizer, args.data_parallel_size = True, world
+    args.use_distributed_optimizer, args.data_parallel_size, args.tensor_model_parallel_size = True, world // tp, tp
     args.overlap_grad_reduce, args.ddp_bucket_size = bucket_size is not None, bucket_size
     torch.manual_seed(3)
-    model = mcore_model(args)
+    model = mcore_model(args, tp=tp)
     ddp, optimizer = _ddp_and_optimizer(model, args)
     scheduler, gen = megatron_core_scheduler(optimizer), torch.Generator().manual_seed(5)
-    step = _megatron_lm_train_step(ddp, optimizer, scheduler, rank, world)
+    step = _megatron_lm_train_step(ddp, optimizer, scheduler)
 
     for _ in range(K):
         step(torch.randint(1, VOCAB, (GBS, SEQ + 1), generator=gen))
@@ -334,7 +337,7 @@ def _megatron_core_resumes_ours(rank, world, folder, root):
     scheduler.load_state_dict(payload["opt_param_scheduler"])
     shards = _megatron_core_shards(model, optimizer)
     groups = [(g["wd_mult"], g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
-    losses = next_two_losses(Path(root), _megatron_lm_train_step(ddp, optimizer, scheduler, rank, world), ddp)
+    losses = next_two_losses(Path(root), _megatron_lm_train_step(ddp, optimizer, scheduler), ddp)
     parallel_state.destroy_model_parallel()
     return losses, shards, [len(b.buckets) for b in ddp.buffers], groups
 

@@ -188,8 +188,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, sd: dict, parameter_state: dict | None = None) -> None:
         """`sd` as `state_dict()` wrote it (or an earlier layout's, for its hyper-parameters and
         scaler); `parameter_state` in our flat layout (optimizer_state.py; training/checkpoint.py
-        converts megatron-core's distrib_optim.pt and the earlier layouts into it).  Every rank loaded the same model weights before, so the
-        param buffers are already whole: no gather."""
+        converts megatron-core's distrib_optim.pt and the earlier layouts into it). Every rank
+        loaded the same model weights before, so the param buffers are already whole: no gather."""
         if parameter_state is None:
             raise CheckpointError("optimizer state: the distributed optimizer needs the parameter state "
                                   "(distrib_optim.pt) next to model_optim_rng.pt")

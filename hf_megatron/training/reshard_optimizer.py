@@ -2,10 +2,11 @@
 
 A training checkpoint's optimizer state is, per model-parallel rank (t, p), a parameter state
 (optimizer_state.py): fp32 main weights and Adam moments, flat over that rank's params in the
-optimizer's `model_params` order, plus the step.  Each source rank's state (distrib_optim.pt in
+optimizer's `model_params` order, plus the step. Each source rank's state (distrib_optim.pt in
 megatron-core's layout through `parameter_state_from_megatron`, in our earlier flat one as is; the
-former ZeRO-1 files or a full state in model_optim_rng.pt through `parameter_state_from`) is cut back into named per-param tensors shaped like that rank's weight
-shards; then every key X in (param, exp_avg, exp_avg_sq) is moved exactly as the weights are:
+former ZeRO-1 files or a full state in model_optim_rng.pt through `parameter_state_from`) is cut
+back into named per-param tensors shaped like that rank's weight shards; then every key X in (param,
+exp_avg, exp_avg_sq) is moved exactly as the weights are:
 
     X_full(name) = merge_tensor(name, [X_t(name) for source tp ranks t])   (vocab padding cut)
     X_target     = split_tensor(name, X_full, config, tp)[target tp rank]   (padding rows: 0)

@@ -31,9 +31,9 @@ state (optimizer_state.py), which load_checkpoint hands to the optimizer with th
                         dtype)>.bucket_idx_<b>.{param,exp_avg,exp_avg_sq}: the bucket's unpadded
                         elements; `...dp_group_idx_<r>.optimizer` / `.grad_scaler` ShardedObjects hold
                         the param groups and scaler.  r is the rank in megatron-core's model-parallel
-                        group (pp_rank * tp + tp_rank); the buckets concatenated are distrib_optim.pt's
-                        coalesced tensors, read by megatron_distrib_optim.py's layout -- so only at
-                        the saved TP/PP (any dp), as megatron-core itself.
+                        group (pp_rank * tp + tp_rank; tested at tp 2); the buckets concatenated are
+                        distrib_optim.pt's coalesced tensors, read by megatron_distrib_optim.py's
+                        layout -- so only at the saved TP/PP (any dp), as megatron-core itself.
 
 Other shardings (fully_sharded_model_space, dp_zero_gather_scatter, fsdp_dtensor) are refused in one line:
 resume them with --no-load-optim.
