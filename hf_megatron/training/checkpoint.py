@@ -268,8 +268,9 @@ def restore_rng(saved) -> bool:
 
 def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0) -> None:
     """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
-    distrib_optim.pt (the distributed optimizer), the former ZeRO-1's optim_dp_RRR.pt files,
-    or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
+    distrib_optim.pt (the distributed optimizer's: megatron-core's layout or our earlier flat one),
+    the former ZeRO-1's optim_dp_RRR.pt files, a full state inside model_optim_rng.pt, or the
+    parameter state torch_dist_resume read (optimizer_state.py converts between them)."""
     folder = path.parent
     zero1_files = sorted(folder.glob("optim_dp_*.pt"))
     if PARAMETER_STATE in payload:  # torch_dist: megatron-core's distributed optimizer, read by torch_dist_resume
