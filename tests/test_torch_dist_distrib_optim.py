@@ -27,9 +27,9 @@ from test_megatron_optimizer import K, PADDED_VOCAB, our_state, resume_with_trai
 
 
 @pytest.mark.parametrize("sharding, arch, dtype, bucket_size, dp, ours_distributed", [
-    ("dp_reshardable", "qwen2", "bf16", 20000, 2, True), ("fully_reshardable", "gpt2", "fp32", None, 2, False),
+    ("dp_reshardable", "qwen2", "bf16", 20000, 2, True), ("fully_reshardable", "gpt2", "fp32", None, 1, False),
     pytest.param("dp_reshardable", "gpt2", "fp32", None, 1, False, marks=pytest.mark.slow),
-    pytest.param("fully_reshardable", "qwen2", "bf16", None, 1, True, marks=pytest.mark.slow)])
+    pytest.param("fully_reshardable", "qwen2", "bf16", None, 2, True, marks=pytest.mark.slow)])
 def test_train_resumes_megatron_core_distributed_optimizer_in_torch_dist(sharding, arch, dtype, bucket_size, dp,
                                                                         ours_distributed, tmp_path):
     from hf_megatron.conversion.convert import hf_to_megatron
@@ -49,6 +49,7 @@ def test_train_resumes_megatron_core_distributed_optimizer_in_torch_dist(shardin
     assert_same_state(loaded, saved)
 
     ours = resume_with_train(tmp_path, dtype, *(["--use-distributed-optimizer"] if ours_distributed else []))
+    # measured (K+1, K+2): fp32 8e-8, 0; qwen2 bf16 dp2 9.6e-7, 4.6e-6 (either sharding), dp1 4.3e-5, 8.3e-6
     tolerance = 1e-6 if dtype == "fp32" else 1e-3  # bf16: two implementations' rounding
     print(f"relative loss differences: {abs(expected[0] - ours[K + 1]) / ours[K + 1]:.1e}, "
           f"{abs(expected[1] - ours[K + 2]) / ours[K + 2]:.1e}")
