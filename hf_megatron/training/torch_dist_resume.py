@@ -154,6 +154,8 @@ def _distributed_optimizer_state(ckpt: TorchDistCheckpoint, saved: dict, chunks,
     kind = saved["param_state_sharding_type"]
     if kind == "fully_reshardable":
         entry = {k: v for k, v in saved.items() if k in ("optimizer", "grad_scaler")}
+        if not isinstance(entry.get("optimizer"), dict):
+            raise CheckpointError(f"{where}: the distributed optimizer's entry has no 'optimizer' (its param groups)")
         owner = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
         flat = {key: [_rank_shard(ckpt, *owner[id(p)], f"{OPTIMIZER_PREFIX}{key}.").reshape(-1).float()
                       for p in optimizer.model_params] for key in STATE_KEYS}
