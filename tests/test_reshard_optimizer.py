@@ -49,6 +49,12 @@ def train(root, iters, *extra, layout=None, arch="llama", precision=()):
     flags, world = layout_flags(**(layout or {}))
     args = base_args(root, iters, *SCHEDULE, *flags, *precision, *extra, config=False)
     args = ["--hf-config", root / ("config" if arch == "llama" else f"config_{arch}"), *args]
+    return run_train(world, *args)
+
+
+def run_train(world: int, *args) -> str:
+    """`hf-megatron train *args` on `world` processes (in this process for one, else under torchrun);
+    asserts it succeeds, returns stdout."""
     if world == 1:
         code, out, err = cli_inprocess(*args)
     else:
@@ -120,8 +126,10 @@ CASES = [  # (source layout, target layout, architecture)
     ({}, {"dp": 2, "distributed": True}, "llama"),
     ({"tp": 2}, {"pp": 2, "dp": 2, "distributed": True}, "gpt2"),  # tied embeddings; dp2 distributed at the end
     ({"pp": 2}, {"tp": 2}, "gpt2"),  # tied: the source's last-stage copy is left, the embedding read
+    ({"pp": 2, "dp": 2, "distributed": True}, {"tp": 2}, "gpt2"),  # distrib_optim.pt with tied buckets alone
     ({}, {"pp": 2, "vpp": 2}, "llama4"),  # virtual pipeline chunks, both ways
     ({"pp": 2, "vpp": 2}, {"tp": 2}, "llama4"),
+    ({"pp": 2, "vpp": 2, "distributed": True}, {}, "llama4"),  # distrib_optim.pt: a grad buffer per chunk
 ]
 
 

@@ -33,7 +33,6 @@ def megatron_lm_rng_state() -> dict:
 
 
 def save_torch_dist(folder: Path, args, model, optimizer, scheduler) -> None:
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     args.ckpt_format, args.no_save_rng = "torch_dist", False
     state_dict = {"args": args, "checkpoint_version": 3.0, "iteration": K}
@@ -43,14 +42,21 @@ def save_torch_dist(folder: Path, args, model, optimizer, scheduler) -> None:
     torch.save(rng_state, folder.parent / "rng_state_saved.pt")  # for the test to compare with
     # get_rng_state with use_dist_ckpt: one object on the (pp, tp) grid, dp ranks replicas
     state_dict["rng_state"] = ShardedObject("rng_state", rng_state, (1, 1), (0, 0), replica_id=0)
-    state_dict["model"] = model.sharded_state_dict(metadata=SHARDED_SD_METADATA)
-    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=SHARDED_SD_METADATA)
+    save_sharded(folder, state_dict, model, optimizer, scheduler, SHARDED_SD_METADATA)
+
+
+def save_sharded(folder: Path, state_dict: dict, model, optimizer, scheduler, metadata: dict) -> None:
+    """The rest of generate_state_dict (the model's and the optimizer's sharded state dicts, the scheduler)
+    and `dist_checkpointing.save` of it into `folder` (collective)."""
+    from megatron.core import dist_checkpointing
+    state_dict["model"] = model.sharded_state_dict(metadata=metadata)
+    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, metadata=metadata)
     state_dict["opt_param_scheduler"] = scheduler.state_dict()
     state_dict["num_floating_point_operations_so_far"] = 0
     synchronize = torch.cuda.synchronize  # its writer waits for CUDA copies before writing: none on CPU
     torch.cuda.synchronize = lambda *a, **k: None
     try:
-        dist_checkpointing.save(state_dict, str(folder), content_metadata=SHARDED_SD_METADATA)
+        dist_checkpointing.save(state_dict, str(folder), content_metadata=metadata)
     finally:
         torch.cuda.synchronize = synchronize
 
@@ -174,9 +180,11 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, layout, 
         torch.save(common, common_file)
         code, out, err = cli_inprocess(*args)
         assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err
-    # megatron-core's distributed optimizer's entry (what remains of it in common.pt): refused, not reset
-    common["optimizer"] = {"param_state": {}, "param_state_sharding_type": "dp_reshardable"}
-    torch.save(common, common_file)
-    code, out, err = cli_inprocess(*args)
-    assert code != 0 and len(err.strip().splitlines()) == 1, err
-    assert "distributed optimizer (param_state_sharding_type 'dp_reshardable') is not read" in err
+    # megatron-core's distributed optimizer's entry (what remains of it in common.pt) without its tensors, or in
+    # a sharding not read (tests/test_torch_dist_distrib_optim.py reads the two Megatron-LM writes): refused, not reset
+    for sharding, message in (("dp_reshardable", "no entry optimizer.distributed.dp_group_idx_0.optimizer"),
+                              ("fully_sharded_model_space", "in its 'fully_sharded_model_space' sharding is not read")):
+        common["optimizer"] = {"param_state": {}, "param_state_sharding_type": sharding}
+        torch.save(common, common_file)
+        code, out, err = cli_inprocess(*args)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and message in err, err

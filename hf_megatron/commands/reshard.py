@@ -11,8 +11,8 @@ Adam moments split exactly like their weights (vocab padding, QKV / gate-up inte
 embeddings on the last stage), the step, param groups and loss scaler, the LR scheduler, the
 data position (consumed samples) and the run's args; `hf-megatron train --load OUT` at the new
 tp/pp (any dp, with or without --use-distributed-optimizer) then continues with the losses the
-unresharded run has.  Each rank folder gets distrib_optim.pt (Megatron-LM's distributed-optimizer
-file, readable by either optimizer).  RNG: a rank (t, p) that exists in both layouts keeps its
+unresharded run has.  Each rank folder gets distrib_optim.pt (Megatron-LM's file name; our flat
+per-param layout, readable by either of our optimizers at any dp).  RNG: a rank (t, p) that exists in both layouts keeps its
 streams; default streams of a new pipeline stage and the tensor-parallel stream of a new tp
 rank are seeded as a fresh run at the new layout seeds them (seed from the checkpoint's args).
 """

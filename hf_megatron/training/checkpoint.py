@@ -10,9 +10,11 @@ format itself -- folder names, the rank file, staging, safe loading -- is hf_meg
 Each model-parallel rank (tp, pp) with data-parallel rank 0 writes its own file, with layer
 numbers local to its pipeline stage.  The distributed optimizer (`sharded = True`) keeps param
 groups and loss scaler in model_optim_rng.pt and its main weights and Adam moments, gathered
-over dp onto dp rank 0, in `distrib_optim.pt` next to it (our flat layout, optimizer_state.py;
-megatron-core's grad-buffer layout is read too, megatron_distrib_optim.py).  Loading also
-takes the former ZeRO-1's per-dp-rank `optim_dp_RRR.pt` files, into either optimizer.  All
+over dp onto dp rank 0, in `distrib_optim.pt` next to it -- both as megatron-core 0.16.1's
+DistributedOptimizer writes them (megatron_distrib_optim.py), the args recording the grad-buffer
+flags that layout follows.  Loading also takes our earlier flat distrib_optim.pt
+(optimizer_state.py) and the former ZeRO-1's per-dp-rank `optim_dp_RRR.pt` files, into either
+optimizer.  All
 files go to a staging folder first, which replaces the iteration folder in one step after every rank is done (also when that iteration
 was saved before); then the tracker file is replaced: a crash never leaves a checkpoint that
 looks complete, and the tracker never names a missing folder.
@@ -41,10 +43,11 @@ from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
-from .megatron_distrib_optim import is_megatron_distrib_optim, parameter_state_from_megatron
+from .megatron_distrib_optim import (empty_megatron_state, is_megatron_distrib_optim, parameter_state_from_megatron,
+                                     training_layout)
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
-from .torch_dist_resume import is_torch_dist_folder, read_torch_dist
+from .torch_dist_resume import PARAMETER_STATE, is_torch_dist_folder, read_torch_dist
 
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
@@ -131,24 +134,31 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
     _barrier()
 
+    sharded = getattr(optimizer, "sharded", False)
+    rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
+    if dp_rank == 0:
+        extra, args = dict(extra or {}), dict(args or {})
+        if sharded:  # the flags distrib_optim.pt's layout follows, recorded with it
+            args = {**optimizer.megatron_args(), **args}
+        _keep_recorded(final / rank_dir.name / MODEL_FILE, extra, args)
+        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args})
     # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
     if optim_state is not None and hasattr(scheduler, "min_lr"):  # megatron-core's scheduler reads them per group
         set_schedule_bounds(optim_state, scheduler.max_lr, scheduler.min_lr)
-    param_state = optimizer.parameter_state() if getattr(optimizer, "sharded", False) else None
-    rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
+    param_state = None
+    if sharded:  # megatron-core's distrib_optim.pt, gathered onto dp rank 0 (megatron_distrib_optim.py)
+        param_state, place = empty_megatron_state(training_layout(chunks, megatron_args, pp_rank)) \
+            if dp_rank == 0 else (None, None)
+        optimizer.parameter_state(place)
     if dp_rank == 0 and cp_rank == 0:
-        extra, args = dict(extra or {}), dict(args or {})
-        _keep_recorded(final / rank_dir.name / MODEL_FILE, extra, args)
-        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args})
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
                                optimizer=optim_state,
                                opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
         write_rank_file(rank_dir, payload)
-    if param_state is not None and cp_rank == 0:  # dp rank 0 holds the gathered state
-        rank_dir.mkdir(exist_ok=True)
-        save_atomic(param_state, rank_dir / DISTRIB_OPTIM_FILE)
+        if param_state is not None:
+            save_atomic(param_state, rank_dir / DISTRIB_OPTIM_FILE)
     _barrier()
     if is_first:
         staging.commit()
@@ -258,18 +268,21 @@ def restore_rng(saved) -> bool:
 
 def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0) -> None:
     """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
-    distrib_optim.pt (the distributed optimizer), the former ZeRO-1's optim_dp_RRR.pt files,
-    or a full state inside model_optim_rng.pt (optimizer_state.py converts between them)."""
+    distrib_optim.pt (the distributed optimizer's: megatron-core's layout or our earlier flat one),
+    the former ZeRO-1's optim_dp_RRR.pt files, a full state inside model_optim_rng.pt, or the
+    parameter state torch_dist_resume read (optimizer_state.py converts between them)."""
     folder = path.parent
     zero1_files = sorted(folder.glob("optim_dp_*.pt"))
-    if (folder / DISTRIB_OPTIM_FILE).is_file():
+    if PARAMETER_STATE in payload:  # torch_dist: megatron-core's distributed optimizer, read by torch_dist_resume
+        optimizer.load_state_dict(payload["optimizer"], parameter_state=payload[PARAMETER_STATE])
+    elif (folder / DISTRIB_OPTIM_FILE).is_file():
         if "optimizer" not in payload:
             raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
         parameter_state = safe_load(folder / DISTRIB_OPTIM_FILE)
-        if is_megatron_distrib_optim(parameter_state):  # megatron-core's grad-buffer layout, not ours
+        if is_megatron_distrib_optim(parameter_state):  # megatron-core's layout (ours too), not our earlier flat one
             parameter_state = parameter_state_from_megatron(
-                parameter_state, payload["optimizer"], optimizer.chunks, optimizer.model_params, payload.get("args"),
-                pp_rank, folder / DISTRIB_OPTIM_FILE)
+                parameter_state, payload["optimizer"], training_layout(optimizer.chunks, payload.get("args"), pp_rank),
+                optimizer.model_params, folder / DISTRIB_OPTIM_FILE)
         optimizer.load_state_dict(payload["optimizer"], parameter_state=parameter_state)
     elif zero1_files:
         if [f.name for f in zero1_files] != [optim_file_name(r) for r in range(len(zero1_files))]:

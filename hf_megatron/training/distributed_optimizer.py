@@ -22,11 +22,12 @@ later layers overlaps the next forward (hooks per transformer layer: a layer may
 region); reading the weights any other way (state_dict, a save) waits for all of them first (a
 state-dict pre-hook).
 
-Checkpoint (Megatron-LM's layout): `state_dict()` (into model_optim_rng.pt) holds the param
-groups and loss scaler; `parameter_state()` -- collective over dp -- gathers main weights and
-Adam moments onto dp rank 0, which writes them as `distrib_optim.pt` beside model_optim_rng.pt.
-Its tensors are flat over the params in `model_params` order, without padding
-(optimizer_state.py), so it loads at any dp size, and the earlier layouts load too: a full
+Checkpoint (megatron-core 0.16.1's layout, megatron_distrib_optim.py): `state_dict()` (into
+model_optim_rng.pt) is what megatron-core's DistributedOptimizer.state_dict() holds -- the param
+groups without their params, each with the step, and the loss scaler where there is one;
+`parameter_state(place)` -- collective over dp -- gathers main weights and Adam moments onto dp rank
+0 into megatron-core's per-grad-buffer tensors, which it writes as `distrib_optim.pt` beside
+model_optim_rng.pt.  Loading takes that, our previous flat layout (optimizer_state.py), a full
 optimizer state, and the per-dp-rank `optim_dp_RRR.pt` files of the former ZeRO-1.
 """
 from __future__ import annotations
@@ -48,6 +49,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, chunks, *args, overlap_param_gather: bool = False, **kwargs) -> None:
         super().__init__(chunks, *args, **kwargs)
+        self.bucket_size = kwargs.get("bucket_size")  # --ddp-bucket-size (None: Megatron's default)
         self.overlap_param_gather = overlap_param_gather
         self._forward_hooks = []
         if overlap_param_gather:
@@ -108,29 +110,58 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 lambda *_args: buffer.wait_param_gather()))
 
     # ---------------------------------------------------------------- checkpoint
+    def megatron_args(self) -> dict:
+        """The Megatron-LM flags of this optimizer's grad buffer, for the checkpoint's `args` (the
+        layout of distrib_optim.pt follows them: megatron_distrib_optim.bucket_size_of); grads are
+        reduced in fp32, as with --accumulate-allreduce-grads-in-fp32."""
+        return {"use_distributed_optimizer": True, "overlap_grad_reduce": self.grad_buffer.overlap,
+                "overlap_param_gather": self.overlap_param_gather, "ddp_bucket_size": self.bucket_size,
+                "accumulate_allreduce_grads_in_fp32": True}
+
     def state_dict(self) -> dict:
-        """What model_optim_rng.pt keeps: param groups (hyper-parameters) and the loss scaler."""
+        """megatron-core's DistributedOptimizer.state_dict(): {"optimizer": {"param_groups": groups
+        without "params", each with "step"}, "grad_scaler" (fp16 or a constant --loss-scale only)}.
+        torch's AdamW counts steps in a float tensor, so the step is a float there (megatron-core
+        takes `.item()`); an int with apex's FusedAdam, which counts per group."""
         self.grad_buffer.wait_param_gather()
-        groups = self.optimizer.state_dict()["param_groups"]
-        return {"optimizer": {"param_groups": groups}, "grad_scaler": self.scaler.state_dict(),
-                "distributed_optimizer": True}
+        per_group = any("step" in g for g in self.optimizer.param_groups)
+        step = int(self._step_count()) if per_group else float(self._step_count())
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
+                  for g in self.optimizer.state_dict()["param_groups"]]
+        out = {"optimizer": {"param_groups": groups}}
+        if self.scaler.dynamic or self.scaler.scale != 1.0:  # megatron-core has no scaler otherwise
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
 
     def _step_count(self) -> int:
+        """AdamW steps taken (dp rank 0, whose entry is saved, holds the start of every bucket)."""
         for main in self.main_params:
             step = self.optimizer.state.get(main, {}).get("step")
             if step is not None:
                 return int(step)
-        return 0
+        return max((int(g["step"]) for g in self.optimizer.param_groups if g.get("step") is not None), default=0)
 
     @torch.no_grad()
-    def parameter_state(self) -> dict | None:
-        """Collective over dp: main weights and Adam moments of every param, flat in
-        `model_params` order, on dp rank 0 (None on the others)."""
+    def parameter_state(self, place: dict[int, tuple[dict, int]] | None = None) -> dict | None:
+        """Collective over dp: every param's main weight and Adam moments, gathered bucket by bucket
+        onto dp rank 0, written into `place` there: {id(param): (tensors, offset)} -> elements
+        [offset, offset + numel) of tensors["param" / "exp_avg" / "exp_avg_sq"]
+        (megatron_distrib_optim.empty_megatron_state).  Without `place`, dp rank 0 gathers into our
+        flat layout (optimizer_state.py) and returns it; other ranks return None."""
+        flat = None
+        if place is None and self.grad_buffer.dp_rank == 0:
+            numels = [p.numel() for p in self.model_params]
+            flat = {key: torch.zeros(sum(numels), dtype=torch.float32) for key in ("param", *MOMENTS)}
+            starts = torch.tensor([0] + numels).cumsum(0).tolist()
+            place = {id(p): (flat, start) for p, start in zip(self.model_params, starts)}
+        self._gather_into(place)
+        return None if flat is None else {"numels": numels, "step": self._step_count(), **flat}
+
+    def _gather_into(self, place: dict[int, tuple[dict, int]] | None) -> None:
+        """parameter_state's gather: per bucket and key, this rank's shard all-gathered, dp rank 0
+        copying each param's elements to where `place` says."""
         buffer = self.grad_buffer
-        self.grad_buffer.wait_param_gather()
-        numels = [p.numel() for p in self.model_params]
-        starts = dict(zip((id(p) for p in self.model_params), torch.tensor([0] + numels).cumsum(0).tolist()))
-        out = {key: torch.zeros(sum(numels), dtype=torch.float32) for key in ("param", *MOMENTS)}
+        buffer.wait_param_gather()
         mine = {id(p): (lo, main) for (p, lo, _), main in zip(self.fragments, self.main_params)}
         for bucket in buffer.buckets:
             shard_lo, shard_hi = bucket.shard_range(buffer.dp_rank, buffer.dp)
@@ -151,16 +182,14 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if buffer.dp_rank == 0:
                     whole = whole.cpu()
                     for p, offset in zip(bucket.params, bucket.offsets):
-                        out[key][starts[id(p)]:starts[id(p)] + p.numel()] = whole[offset:offset + p.numel()]
-        if buffer.dp_rank != 0:
-            return None
-        return {"numels": numels, "step": self._step_count(), **out}
+                        tensors, at = place[id(p)]
+                        tensors[key][at:at + p.numel()] = whole[offset:offset + p.numel()]
 
     def load_state_dict(self, sd: dict, parameter_state: dict | None = None) -> None:
         """`sd` as `state_dict()` wrote it (or an earlier layout's, for its hyper-parameters and
-        scaler); `parameter_state` as `parameter_state()` wrote it (optimizer_state.py converts
-        the earlier layouts into it).  Every rank loaded the same model weights before, so the
-        param buffers are already whole: no gather."""
+        scaler); `parameter_state` in our flat layout (optimizer_state.py; training/checkpoint.py
+        converts megatron-core's distrib_optim.pt and the earlier layouts into it). Every rank
+        loaded the same model weights before, so the param buffers are already whole: no gather."""
         if parameter_state is None:
             raise CheckpointError("optimizer state: the distributed optimizer needs the parameter state "
                                   "(distrib_optim.pt) next to model_optim_rng.pt")

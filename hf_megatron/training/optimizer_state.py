@@ -1,6 +1,8 @@
-"""The distributed optimizer's parameter state, and the earlier optimizer layouts converted into it.
+"""The parameter state -- what every optimizer checkpoint layout is read into -- and the earlier
+layouts converted into it.
 
-Parameter state (distrib_optim.pt, one per model-parallel rank, written by dp rank 0):
+Parameter state (in memory; on disk our earlier distrib_optim.pt, one per model-parallel rank, which
+still loads -- the distributed optimizer now writes megatron-core's layout, megatron_distrib_optim.py):
 
     {"numels": [n_0, n_1, ...],          one per param, in the optimizer's `model_params` order
      "step": k,                          AdamW steps taken

@@ -2,10 +2,11 @@
 
 A training checkpoint's optimizer state is, per model-parallel rank (t, p), a parameter state
 (optimizer_state.py): fp32 main weights and Adam moments, flat over that rank's params in the
-optimizer's `model_params` order, plus the step.  Each source rank's state (distrib_optim.pt as
-is; the former ZeRO-1 files or a full state in model_optim_rng.pt through
-`parameter_state_from`) is cut back into named per-param tensors shaped like that rank's weight
-shards; then every key X in (param, exp_avg, exp_avg_sq) is moved exactly as the weights are:
+optimizer's `model_params` order, plus the step. Each source rank's state (distrib_optim.pt in
+megatron-core's layout through `parameter_state_from_megatron`, in our earlier flat one as is; the
+former ZeRO-1 files or a full state in model_optim_rng.pt through `parameter_state_from`) is cut
+back into named per-param tensors shaped like that rank's weight shards; then every key X in (param,
+exp_avg, exp_avg_sq) is moved exactly as the weights are:
 
     X_full(name) = merge_tensor(name, [X_t(name) for source tp ranks t])   (vocab padding cut)
     X_target     = split_tensor(name, X_full, config, tp)[target tp rank]   (padding rows: 0)
@@ -41,7 +42,7 @@ from ..errors import CheckpointError
 from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
 from .checkpoint import DISTRIB_OPTIM_FILE
-from .megatron_distrib_optim import is_megatron_distrib_optim
+from .megatron_distrib_optim import is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron
 from .optimizer import param_groups
 from .megatron_optimizer_layout import is_megatron_layout, megatron_groups
 from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
@@ -151,7 +152,8 @@ class SourceOptimizer:
         # Megatron-LM's layout numbers its state in megatron-core's param order (index-based, so the
         # meta chunks' order holds for the loaded weights too)
         order = megatron_groups(chunks, [g["params"] for g in param_groups(chunks, weight_decay=0.0)])
-        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes, order)
+        layout = lambda: self._megatron_layout(chunks, weights, stage)  # noqa: E731 (only for megatron-core's file)
+        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes, order, layout)
         step = int(ps["step"])
         if self.step is not None and step != self.step:
             raise CheckpointError(f"{path}: optimizer step {step}, other ranks' is {self.step}")
@@ -162,19 +164,31 @@ class SourceOptimizer:
             at += weight.numel()
         return out
 
+    def _megatron_layout(self, chunks, weights: dict[str, torch.Tensor], stage: int):
+        """megatron-core's grad buffers of a source rank: the meta chunks' params in their order, each
+        standing as its loaded weight shard (its shape and dtype); the tied word embedding of a
+        pipeline-parallel model in a bucket of its own (parallel/pipeline.tied_embedding_params' rule)."""
+        named = [[(n, weights[n]) for n, p in chunk.named_parameters() if p.requires_grad] for chunk in chunks]
+        alone = set()
+        if self.ckpt.pp > 1 and self.config.tie_word_embeddings:
+            if chunks[0].pre_process:
+                alone.add(id(weights[EMBEDDING]))
+            if chunks[-1].post_process:
+                alone.add(id(weights[TIED_COPY]))
+        return megatron_layout(named, self.ckpt.args, stage, alone)
+
     @staticmethod
     def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int],
-                         order) -> dict:
+                         order, layout) -> dict:
         folder = path.parent
         zero1 = sorted(folder.glob("optim_dp_*.pt"))
         try:
             if (folder / DISTRIB_OPTIM_FILE).is_file():
                 ps = safe_load(folder / DISTRIB_OPTIM_FILE, mmap=True)
-                if is_megatron_distrib_optim(ps):  # its layout needs the model's modules (megatron_distrib_optim.py)
-                    raise CheckpointError("distrib_optim.pt is megatron-core's DistributedOptimizer layout, which "
-                                          "reshard does not read; resume it once with `hf-megatron train --load` "
-                                          "and reshard that checkpoint")
-                check_parameter_state(ps, model_params)
+                if is_megatron_distrib_optim(ps):  # megatron-core's layout (what ours writes too)
+                    return parameter_state_from_megatron(ps, payload.get("optimizer") or {}, layout(), model_params,
+                                                         folder / DISTRIB_OPTIM_FILE)
+                check_parameter_state(ps, model_params)  # our earlier flat layout
                 return ps
             if zero1:
                 return parameter_state_from([as_full_state(safe_load(f)["optimizer"]) for f in zero1], model_params)

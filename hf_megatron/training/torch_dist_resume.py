@@ -19,8 +19,24 @@ What such an iteration folder holds (`generate_state_dict` with use_dist_ckpt, n
     rng_state    a byte entry `rng_state/shard_<pp>.<tp>_<PP>.<TP>` per (pp, tp) rank: its RNG list
 
 megatron-core's ChainedOptimizer of one optimizer (a dense model) saves its one optimizer's entry as is.
-The distributed optimizer's entry (`param_state_sharding_type`, Megatron-LM's default 'dp_reshardable':
-flat buffers cut per dp rank) is refused in one line: resume it with --no-load-optim.
+With the distributed optimizer (common.pt's optimizer entry names its `param_state_sharding_type`) either
+of the two shardings Megatron-LM writes is read (`_distributed_optimizer_state`), into our parameter
+state (optimizer_state.py), which load_checkpoint hands to the optimizer with the param groups:
+
+    fully_reshardable   optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>: each weight's shape,
+                        fp32; param groups (each with the step) and grad_scaler in common.pt -- any
+                        TP/PP layout, as the model's tensors
+    dp_reshardable      (Megatron-LM's default) per grad buffer g and bucket b
+                        optimizer.distributed.dp_group_idx_<r>.gbuf_idx_<g>.dtype_<(param dtype, grad
+                        dtype)>.bucket_idx_<b>.{param,exp_avg,exp_avg_sq}: the bucket's unpadded
+                        elements; `...dp_group_idx_<r>.optimizer` / `.grad_scaler` ShardedObjects hold
+                        the param groups and scaler.  r is the rank in megatron-core's model-parallel
+                        group (pp_rank * tp + tp_rank; tested at tp 2); the buckets concatenated are
+                        distrib_optim.pt's coalesced tensors, read by megatron_distrib_optim.py's
+                        layout -- so only at the saved TP/PP (any dp), as megatron-core itself.
+
+Other shardings (fully_sharded_model_space, dp_zero_gather_scatter, fsdp_dtensor) are refused in one line:
+resume them with --no-load-optim.
 
 `read_torch_dist` turns that into what a torch-format rank file of this rank would hold: every model
 chunk's tensors (cut for this rank's TP shard and pipeline stage) and the optimizer entry in
@@ -45,9 +61,14 @@ from ..checkpoint.unpickle import safe_load
 from ..errors import CheckpointError
 from ..parallel import comm, state as parallel_state
 from ..parallel.sharding import split_tensor
+from .megatron_distrib_optim import STATE_KEYS, parameter_state_from_megatron, saved_group_step, training_layout
+from .optimizer_state import MOMENTS
 
 OPTIMIZER_PREFIX = "optimizer.state."
-MOMENTS = ("exp_avg", "exp_avg_sq")
+DISTRIBUTED_PREFIX = "optimizer.distributed.dp_group_idx_"
+_BUCKET_KEY = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)"
+                         r"\.(param|exp_avg|exp_avg_sq)")
+PARAMETER_STATE = "optimizer_parameter_state"  # payload key: our parameter state (optimizer_state.py), read here
 _RNG_KEY = re.compile(r"rng_state/shard_([\d.]+)_([\d.]+)")
 
 
@@ -88,10 +109,6 @@ def _optimizer_entry(ckpt: TorchDistCheckpoint, saved: Any, chunks, optimizer, w
     if not isinstance(saved, dict):
         raise CheckpointError(f"{where}: holds no optimizer state (saved with --no-save-optim?); load it "
                               "without an optimizer (--no-load-optim or --finetune)")
-    if "param_state_sharding_type" in saved:  # DistributedOptimizer: flat per-dp-rank buffers, not read yet
-        raise CheckpointError(f"{where}: optimizer state of megatron-core's distributed optimizer (param_state_"
-                              f"sharding_type {saved['param_state_sharding_type']!r}) is not read; resume with "
-                              "--no-load-optim (weights, iteration, data position) or save with --ckpt-format torch")
     float16 = "param_groups" not in saved
     inner = saved.get("optimizer") if float16 else saved
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list) \
@@ -130,6 +147,63 @@ def _optimizer_entry(ckpt: TorchDistCheckpoint, saved: Any, chunks, optimizer, w
     return out
 
 
+def _distributed_optimizer_state(ckpt: TorchDistCheckpoint, saved: dict, chunks, optimizer, where: Path
+                                 ) -> tuple[dict, dict]:
+    """megatron-core's DistributedOptimizer entry -> (its hyper-parameter entry {"optimizer": {"param_groups"},
+    "grad_scaler"?}, our parameter state for `optimizer`'s params); see the module docstring."""
+    kind = saved["param_state_sharding_type"]
+    if kind == "fully_reshardable":
+        entry = {k: v for k, v in saved.items() if k in ("optimizer", "grad_scaler")}
+        if not isinstance(entry.get("optimizer"), dict):
+            raise CheckpointError(f"{where}: the distributed optimizer's entry has no 'optimizer' (its param groups)")
+        owner = {id(p): (chunk, name) for chunk in chunks for name, p in chunk.named_parameters()}
+        flat = {key: [_rank_shard(ckpt, *owner[id(p)], f"{OPTIMIZER_PREFIX}{key}.").reshape(-1).float()
+                      for p in optimizer.model_params] for key in STATE_KEYS}
+        ps = {"numels": [p.numel() for p in optimizer.model_params], "step": saved_group_step(entry, where),
+              **{k: torch.cat(v) if v else torch.zeros(0) for k, v in flat.items()}}
+        return entry, ps
+    if kind != "dp_reshardable":
+        raise CheckpointError(f"{where}: megatron-core's distributed optimizer state in its {kind!r} sharding is not "
+                              "read (Megatron-LM's dp_reshardable and fully_reshardable are); resume with "
+                              "--no-load-optim (weights, iteration, data position)")
+    st = parallel_state.get_state()
+    saved_grid = (getattr(ckpt.args, "tensor_model_parallel_size", 1), getattr(ckpt.args, "pipeline_model_parallel_size", 1))
+    if saved_grid != (st.tp, st.pp):
+        raise CheckpointError(f"{where}: megatron-core's dp_reshardable distributed optimizer state (grad-buffer "
+                              f"space) loads at the saved tp, pp = {saved_grid} only, this run has ({st.tp}, {st.pp}); "
+                              "resume it there or with --no-load-optim")
+    group = st.coords["pp"] * st.tp + st.coords["tp"]  # the rank in megatron-core's model-parallel group
+    prefix = f"{DISTRIBUTED_PREFIX}{group}."
+    entry = {}
+    for name in ("optimizer", "grad_scaler"):  # ShardedObjects of shape (1,)
+        if f"{prefix}{name}/shard_0_1" in ckpt.metadata.state_dict_metadata:
+            obj = ckpt.read_object(f"{prefix}{name}/shard_0_1")
+            entry[name] = obj[0] if isinstance(obj, list) and len(obj) == 1 else obj
+    if not isinstance(entry.get("optimizer"), dict):
+        raise CheckpointError(f"{where}: no entry {prefix}optimizer (megatron-core's param groups of this rank's "
+                              "distributed optimizer)")
+    buckets: dict[int, dict[str, dict[int, dict[str, str]]]] = {}
+    for key in ckpt.metadata.state_dict_metadata:
+        match = _BUCKET_KEY.fullmatch(key)
+        if match and int(match.group(1)) == group:
+            gbuf, dtype, bucket, state_key = int(match.group(2)), match.group(3), int(match.group(4)), match.group(5)
+            buckets.setdefault(gbuf, {}).setdefault(dtype, {}).setdefault(bucket, {})[state_key] = key
+    layout = training_layout(chunks, ckpt.args, st.coords["pp"])
+    ps = {"buckets_coalesced": True}  # the buckets concatenated: what distrib_optim.pt holds
+    for gbuf, by_dtype in buckets.items():
+        buffer = layout[gbuf] if gbuf < len(layout) else None
+        if buffer is None or list(by_dtype) != [f"{buffer.key}"]:
+            raise CheckpointError(f"{where}: grad buffer {gbuf} saved for {sorted(by_dtype)}, this model has "
+                                  f"{[f'{b.key}' for b in layout]}")
+        (parts,) = by_dtype.values()
+        if sorted(parts) != list(range(len(parts))) or any(sorted(v) != sorted(STATE_KEYS) for v in parts.values()):
+            raise CheckpointError(f"{where}: grad buffer {gbuf}'s buckets {sorted(parts)} should be 0.. each with "
+                                  f"{', '.join(STATE_KEYS)}")
+        tensors = {k: torch.cat([ckpt._read(parts[b][k], None).float() for b in range(len(parts))]) for k in STATE_KEYS}
+        ps[gbuf] = {buffer.key: {**tensors, "numel_unpadded": tensors["param"].numel()}}
+    return entry, parameter_state_from_megatron(ps, entry, layout, optimizer.model_params, where)
+
+
 def _rng_entry(ckpt: TorchDistCheckpoint):
     """This rank's `rng_state`: Megatron-LM saves its list as ShardedObject 'rng_state' on the (pp, tp) grid
     (or (pp, tp, dp) with one list per dp rank), byte entry `rng_state/shard_<offset>_<shape>`.  The
@@ -162,6 +236,10 @@ def read_torch_dist(folder: Path, iteration: int | str, chunks, optimizer=None) 
     payload = {k: v for k, v in common.items() if k != "optimizer"}
     payload.update(_model_entries(ckpt, chunks))
     payload["rng_state"] = _rng_entry(ckpt)
-    if optimizer is not None:
-        payload["optimizer"] = _optimizer_entry(ckpt, common.get("optimizer"), chunks, optimizer, common_file)
+    saved = common.get("optimizer")
+    if optimizer is not None and isinstance(saved, dict) and "param_state_sharding_type" in saved:
+        payload["optimizer"], payload[PARAMETER_STATE] = _distributed_optimizer_state(ckpt, saved, chunks, optimizer,
+                                                                                     common_file)
+    elif optimizer is not None:
+        payload["optimizer"] = _optimizer_entry(ckpt, saved, chunks, optimizer, common_file)
     return payload, iteration, common_file
