@@ -15,7 +15,7 @@ import throughput  # noqa: E402
 def test_loss_curves_dry_run_compares_options_against_the_default():
     tokens = loss_curves.text_tokens(300, 5000)
     assert len(np.unique(tokens)) > 100 and np.array_equal(tokens, loss_curves.text_tokens(300, 5000))
-    args = argparse.Namespace(steps=4, data="text", device="cpu", lr=3e-4,
+    args = argparse.Namespace(steps=4, data="text", device="cpu", lr=3e-4, warmup_iters=2,
                               options=["default", "default (again)", "fp8-format hybrid"])
     results = loss_curves.measure(throughput.spec_of("llama-1b", tiny=True), args)
     loss_curves.compare(results, 0.01)
