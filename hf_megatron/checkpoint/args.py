@@ -22,6 +22,19 @@ linear biases) where its fused kernel is the tanh approximation
     gelu(x) ~ x/2 (1 + tanh(0.79788456 x (1 + 0.044715 x^2)))
 -- so a tanh-GELU model (GPT-2) gets `bias_gelu_fusion=True`; legacy models read `openai_gelu`.
 
+RoPE: Megatron-LM's GPT builder (gpt_builders.py) hands megatron-core's GPTModel `rope_scaling=
+args.use_rope_scaling` and nothing else, so RotaryEmbedding._apply_scaling keeps its defaults --
+Llama 3.1's llama3 scheme, factor 8, low / high frequency factors 1 / 4, original context 8192:
+
+    wavelength w = 2 pi / f;  f' = f (w < 8192/4),  f / 8 (w > 8192),  otherwise
+    (1 - s) f / 8 + s f with s = (8192 / w - 1) / (4 - 1)
+
+(`--rope-scaling-factor` and `--rotary-seq-len-interpolation-factor` are parsed, never passed on;
+longrope has no flag).  Any other rope_scaling (another factor, as Llama 3.2's 32, or context;
+linear; longrope) is written as far as the flags go and warned about in one line
+(`megatron_lm_rope_difference`): Megatron-LM would compute other RoPE frequencies from these
+args, hence other logits.
+
 `config_from_args(args)` reads any Megatron checkpoint's args back into a ModelConfig: from
 `hf_config` when we wrote it, otherwise by each architecture record's recogniser of Megatron's
 flags (`hf_megatron.architectures.hf_config_from_megatron_args`).
@@ -31,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -72,6 +86,25 @@ def _seq_length(c: ModelConfig, l: Layout) -> int:
 
 def _rope(c: ModelConfig) -> dict:
     return c.rope_scaling or {}
+
+
+# what RotaryEmbedding._apply_scaling uses under Megatron-LM's --use-rope-scaling (see the docstring)
+MEGATRON_LM_LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192.0}
+
+
+def megatron_lm_rope_difference(c: ModelConfig) -> str | None:
+    """Where Megatron-LM's RoPE for these args departs from the model's rope_scaling; None where
+    it is the same (no scaling, or llama3 with exactly Megatron-LM's constants)."""
+    rope = _rope(c)
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        return f"rope_type {kind!r}"
+    other = [f"{key} {rope.get(key)!r}" for key, value in MEGATRON_LM_LLAMA3_ROPE.items()
+             if not isinstance(rope.get(key), (int, float)) or float(rope[key]) != value]
+    return "llama3 " + ", ".join(other) if other else None
 
 
 _Value = Callable[[ModelConfig, Layout], Any]
@@ -163,6 +196,13 @@ def build_args(config: ModelConfig, layout: Layout | None = None, **entries: Any
     layout = dataclasses.replace(layout or Layout(), **{k: v for k, v in entries.items() if k in _LAYOUT_FIELDS})
     extra = {k: v for k, v in entries.items() if k not in _LAYOUT_FIELDS}
     args = {name: value(config, layout) for name, value in FIELDS.items()}
+    difference = megatron_lm_rope_difference(config)
+    if difference:
+        warnings.warn(f"hf_megatron: checkpoint args: rope_scaling {difference}: Megatron-LM's --use-rope-scaling "
+                      f"is llama3 with factor 8, low_freq_factor 1, high_freq_factor 4, "
+                      f"original_max_position_embeddings 8192, so a model Megatron-LM builds from these args "
+                      f"computes other RoPE frequencies (hf_megatron reads the exact rope from args.hf_config)",
+                      stacklevel=2)
     args.update(hf_config=dict(config.hf_config), hf_megatron_version=_version())
     args.update({k: v for k, v in extra.items() if v is not None or k not in args})
     return argparse.Namespace(**args)
