@@ -19,8 +19,12 @@ rank are seeded as a fresh run at the new layout seeds them (seed from the check
 from __future__ import annotations
 
 import argparse
+import functools
 
+from ..errors import ConfigError
 from .convert import add_checksum_flag, add_output_format_flags
+
+TARGET_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size")
 
 
 def add_parser(subparsers) -> None:
@@ -35,6 +39,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--with-optimizer", action="store_true",
                         help="also carry optimizer state, LR scheduler, RNG and data position, so that training "
                              "resumes at the new layout (torch format only; RNG policy: see above)")
+    target = parser.add_argument_group("the target's optimizer (with --with-optimizer; default: as the source ran)")
+    target.add_argument("--use-distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
+                        help="write megatron-core's DistributedOptimizer files (distrib_optim.pt + its optimizer "
+                             "entry); --no-use-distributed-optimizer: Megatron-LM's FP32Optimizer / "
+                             "Float16OptimizerWithFloat16Params entry in model_optim_rng.pt")
+    target.add_argument("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=None,
+                        help="distributed target: the run resumes with --overlap-grad-reduce (distrib_optim.pt's "
+                             "bucket layout follows it)")
+    target.add_argument("--ddp-bucket-size", type=int, default=None, metavar="N",
+                        help="distributed target: the run's --ddp-bucket-size (elements per bucket, with "
+                             "--overlap-grad-reduce)")
     add_checksum_flag(parser)
     add_output_format_flags(parser)
     parser.set_defaults(func=run)
@@ -45,8 +60,19 @@ def run(args) -> int:
     apply_checksum_flag(args)
     from hf_megatron.conversion.convert import reshard
     carrier = None
+    target = {"distributed": args.use_distributed_optimizer, "overlap_grad_reduce": args.overlap_grad_reduce,
+              "ddp_bucket_size": args.ddp_bucket_size}
+    given = [flag for flag, value in zip(TARGET_FLAGS, target.values()) if value is not None]
+    if given and not args.with_optimizer:
+        raise ConfigError(f"{given[0]}: describes the target's optimizer; give --with-optimizer as well")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ConfigError(f"--ddp-bucket-size: expected at least 1 element, got {args.ddp_bucket_size}")
+    if target["distributed"] is False and (target["overlap_grad_reduce"] is not None or target["ddp_bucket_size"]):
+        raise ConfigError("--overlap-grad-reduce / --ddp-bucket-size: describe a distributed optimizer's buckets; "
+                          "leave them out with --no-use-distributed-optimizer")
     if args.with_optimizer:
-        from hf_megatron.training.reshard_optimizer import ResumableReshard as carrier
+        from hf_megatron.training.reshard_optimizer import ResumableReshard
+        carrier = functools.partial(ResumableReshard, **target)
     _print_report(reshard(args.src, args.out, args.tp, args.pp, args.vpp, args.verify, args.ckpt_format,
                           args.legacy_names, training_state=carrier))
     return 0
