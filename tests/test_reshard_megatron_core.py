@@ -89,6 +89,7 @@ def _megatron_core_plain_resumes(rank, world, folder, root):
     optimizer = megatron_core_optimizer(model, payload["args"])
     optimizer.load_state_dict(copy.deepcopy(payload["optimizer"]))
     scheduler = megatron_core_scheduler(optimizer)
+    scheduler.use_checkpoint_opt_param_scheduler = False  # Megatron-LM's default: every saved value asserted
     scheduler.load_state_dict(payload["opt_param_scheduler"])
     assert scheduler.num_steps == K * GBS
     saved = megatron_core_state(model, optimizer)
@@ -110,6 +111,7 @@ def test_megatron_core_float16_optimizer_resumes_a_resharded_distributed_run(tmp
     payload = safe_load(rank_dir / "model_optim_rng.pt")
     assert not (rank_dir / "distrib_optim.pt").exists() and not hasattr(payload["args"], "use_distributed_optimizer")
     assert sorted(payload["optimizer"]) == ["fp32_from_fp16_params", "optimizer"]
+    assert payload["opt_param_scheduler"]["wd_incr_steps"] == (K + 2) * GBS  # megatron-core checks it on load
     kind, theirs, next_losses = run_distributed(_megatron_core_plain_resumes, 1, (str(out), str(tmp_path)))[0]
     assert kind == "Float16OptimizerWithFloat16Params"
     _, chunks, optimizer = our_loaded_optimizer(out, "llama", "bf16", distributed=False)
@@ -122,3 +124,37 @@ def test_megatron_core_float16_optimizer_resumes_a_resharded_distributed_run(tmp
             assert torch.equal(got[1], exp_avg) and torch.equal(got[2], exp_avg_sq), name
             assert torch.equal(got[3], main), name
     _assert_next_losses(next_losses, ours, 1e-3)  # bf16, two implementations' rounding: measured 2.1e-5, 2.9e-5
+
+
+def test_megatron_core_scheduler_loads_our_entry_with_its_checks_on():
+    """Our run's opt_param_scheduler (trainer.build_scheduler) holds megatron-core's weight-decay keys with
+    the values Megatron-LM's get_optimizer_param_scheduler gives the same flags; its load_state_dict
+    (override and use-checkpoint off: every key asserted equal) takes it, and refuses another horizon."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_scheduler, setup_parallel
+    from training_helpers import training_config
+    import dataclasses
+    cfg = dataclasses.replace(training_config({}, weight_decay=0.03, lr_decay_iters=6, lr_warmup_iters=2), train_iters=7)
+    setup_parallel(cfg)
+    gbs = cfg.micro_batch_size * cfg.num_micro_batches()
+    ours = build_scheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), cfg)
+    state.reset()
+    for _ in range(3):
+        ours.step()
+    saved = ours.state_dict()
+
+    def megatron_lm(train_iters):  # get_optimizer_param_scheduler with --train-iters, constant weight decay
+        return OptimizerParamScheduler(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), init_lr=0.0,
+                                       max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.warmup_iters * gbs,
+                                       lr_decay_steps=cfg.lr_decay_iters * gbs, lr_decay_style=cfg.lr_decay_style,
+                                       start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+                                       wd_incr_steps=train_iters * gbs, wd_incr_style="constant",
+                                       use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=False)
+    theirs = megatron_lm(cfg.train_iters)
+    theirs.load_state_dict(saved)
+    assert theirs.num_steps == 3 * gbs and theirs.get_wd() == cfg.weight_decay
+    assert theirs.state_dict() == saved
+    with pytest.raises(AssertionError, match="weight decay iterations"):
+        megatron_lm(cfg.train_iters + 1).load_state_dict(saved)

@@ -2,6 +2,8 @@
 
     hf-megatron reshard --src ckpt_tp2_pp2/ --out ckpt_tp4/ --tp 4 --pp 1 --verify
     hf-megatron reshard --src run/ --out run_tp1_pp2/ --tp 1 --pp 2 --with-optimizer
+    hf-megatron reshard --src run/ --out run_tp2/ --tp 2 --with-optimizer --use-distributed-optimizer \
+        --overlap-grad-reduce --ddp-bucket-size 40000000
 
 Model weights only by default: the optimizer restarts (resume with --no-load-optim, or fine-tune).
 The iteration number and tokenizer files are kept.
@@ -10,9 +12,14 @@ The iteration number and tokenizer files are kept.
 Adam moments split exactly like their weights (vocab padding, QKV / gate-up interleaving, tied
 embeddings on the last stage), the step, param groups and loss scaler, the LR scheduler, the
 data position (consumed samples) and the run's args; `hf-megatron train --load OUT` at the new
-tp/pp (any dp, with or without --use-distributed-optimizer) then continues with the losses the
-unresharded run has.  Each rank folder gets distrib_optim.pt (Megatron-LM's file name; our flat
-per-param layout, readable by either of our optimizers at any dp).  RNG: a rank (t, p) that exists in both layouts keeps its
+tp/pp (any dp, with or without --use-distributed-optimizer) and Megatron-LM then continue with
+the losses the unresharded run has.  Each rank folder gets what `train --save` writes for the
+target's optimizer: with --use-distributed-optimizer (the default when the source ran with it)
+megatron-core's DistributedOptimizer files -- distrib_optim.pt laid out by the target's grad
+buffers, whose flags (--overlap-grad-reduce, --ddp-bucket-size; default: the source's) are
+recorded in args and must be the ones Megatron-LM resumes with -- and otherwise
+(--no-use-distributed-optimizer) Megatron-LM's FP32Optimizer / Float16OptimizerWithFloat16Params
+entry in model_optim_rng.pt.  RNG: a rank (t, p) that exists in both layouts keeps its
 streams; default streams of a new pipeline stage and the tensor-parallel stream of a new tp
 rank are seeded as a fresh run at the new layout seeds them (seed from the checkpoint's args).
 """

@@ -17,12 +17,19 @@ Adam is elementwise, so moments split like their weights resume the same steps. 
 params on either side comes from a meta-device model of that layout (`param_groups`, the order
 MixedPrecisionOptimizer steps them in), never from the file.
 
-Output, per target rank: distrib_optim.pt (loads into either optimizer at any dp), and in
-model_optim_rng.pt the source's optimizer entry without per-param state (param groups renumbered
-for the rank, loss scaler), the LR scheduler, RNG (reshard_rng.py) and the data position.
-Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one
-target rank's flat state, and one full tensor at a time.  Only Megatron's two default param
-groups are understood (what `hf-megatron train` builds); other groupings are refused.
+Output, per target rank, what `hf-megatron train --save` writes for the target's optimizer:
+distributed (`--use-distributed-optimizer`) -- distrib_optim.pt in megatron-core's layout for the
+target's grad buffers (megatron_distrib_optim.empty_megatron_state over the target rank's params,
+the bucket flags recorded in args: grad_buffer_args) and DistributedOptimizer.state_dict()'s entry
+(distributed_optimizer_entry); plain -- Megatron-LM's FP32Optimizer / Float16OptimizerWithFloat16Params
+entry with the state (megatron_optimizer_layout.to_megatron, state numbered in megatron-core's param
+order).  Param groups' hyper-parameters and the loss scaler come from the source's entry (any
+layout); then the LR scheduler, RNG (reshard_rng.py) and the data position.  The target's
+choice (distributed or not, bucket flags) is the source's unless the command says otherwise.
+
+Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one target
+rank's state (twice while its file is filled), and one full tensor at a time.  Only Megatron's two
+default param groups are understood (what `hf-megatron train` builds); other groupings are refused.
 """
 from __future__ import annotations
 
