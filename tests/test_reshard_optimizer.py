@@ -258,3 +258,18 @@ def test_a_full_state_with_other_param_groups_is_refused(workspace, tmp_path):
                           "--no-checkpoint-checksums")
     assert str(rank_file) in line and "param groups of [15] params, the model's default groups have [10, 5]" in line
     assert not (tmp_path / "x").exists()
+
+
+def test_target_optimizer_flags_are_checked(tmp_path):
+    """The target's optimizer flags need --with-optimizer, and bucket flags a distributed target."""
+    for flags, message in (
+            (["--use-distributed-optimizer"], "--use-distributed-optimizer: describes the target's optimizer; "
+                                              "give --with-optimizer as well"),
+            (["--ddp-bucket-size", 100], "--ddp-bucket-size: describes the target's optimizer"),
+            (["--with-optimizer", "--no-use-distributed-optimizer", "--overlap-grad-reduce"],
+             "--overlap-grad-reduce / --ddp-bucket-size: describe a distributed optimizer's buckets"),
+            (["--with-optimizer", "--ddp-bucket-size", 0], "--ddp-bucket-size: expected at least 1 element, got 0")):
+        code, _, err = _cli_capture(["reshard", "--src", str(tmp_path), "--out", str(tmp_path / "x"), *map(str, flags)])
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert message in err, err
+    assert not (tmp_path / "x").exists()
