@@ -15,6 +15,10 @@ which takes steps K+1 and K+2 on the same samples: its losses are our run's, and
   bf16 without --use-distributed-optimizer) `load_state_dict`s the optimizer entry, its
   OptimizerParamScheduler the scheduler entry (with its equality checks on).  The state our reader takes
   from the source's distrib_optim.pt and from the resharded entry are the same, exactly.
+* Megatron-LM's own load_checkpoint (only with a core_v0.16.1 checkout, HF_MEGATRON_MEGATRON_LM; CI has
+  none) of our tp 2 run resharded to tp 1 with a plain optimizer.
+* The scheduler entry: megatron-core's OptimizerParamScheduler, built with Megatron-LM's values for our
+  flags, loads it with its checks on (the weight-decay keys included) and refuses another horizon.
 """
 from __future__ import annotations
 
@@ -29,16 +33,19 @@ from test_megatron_distrib_optim import _megatron_core_resumes_ours, _whole, ass
 from test_megatron_optimizer import (GBS, K, PADDED_VOCAB, _cpu_stand_ins, mcore_model, megatron_core_optimizer,
                                      megatron_core_scheduler, megatron_core_state, megatron_lm_train_step,
                                      next_two_losses, our_state, resume_flags)
+from megatron_lm_checkout import requires_megatron_lm
 from test_reshard_optimizer import losses, run_train
 
 
-def _our_run(tmp_path: Path, arch: str, dtype: str, world: int, *layout) -> tuple[Path, dict[int, float]]:
-    """`hf-megatron train` to K+2 on `world` processes, saved at K: (its save folder, its losses)."""
+def _our_run(tmp_path: Path, arch: str, dtype: str, world: int, *layout, name: str = "ours"
+             ) -> tuple[Path, dict[int, float]]:
+    """`hf-megatron train` to K+2 on `world` processes, saved at K into <tmp_path>/<name>: (that folder,
+    its losses)."""
     from test_convert_helpers import save_hf
     from train_cli import make_workspace
     make_workspace(tmp_path)
     save_hf(tmp_path / "hf", arch, vocab_size=PADDED_VOCAB)
-    save = tmp_path / "ours"
+    save = tmp_path / name
     run_train(world, "--hf-model", tmp_path / "hf", *resume_flags(tmp_path, dtype), "--train-iters", K + 2,
               *layout, "--save", save, "--save-interval", K, "--tensorboard-dir", save / "tb")
     return save, losses(save / "tb")
@@ -158,3 +165,25 @@ def test_megatron_core_scheduler_loads_our_entry_with_its_checks_on():
     assert theirs.state_dict() == saved
     with pytest.raises(AssertionError, match="weight decay iterations"):
         megatron_lm(cfg.train_iters + 1).load_state_dict(saved)
+
+
+@requires_megatron_lm
+def test_megatron_lms_own_load_checkpoint_resumes_a_resharded_checkpoint(tmp_path):
+    """Megatron-LM's own load_checkpoint (a core_v0.16.1 checkout: HF_MEGATRON_MEGATRON_LM) of our tp 2 run
+    resharded to tp 1 with a plain optimizer: its scheduler checks pass, its Adam state is what our reader
+    takes, its next two losses are our run's."""
+    import torch
+    from test_megatron_lm_training import _megatron_lm_loads_ours, _our_optimizer_state
+    _, ours = _our_run(tmp_path, "gpt2", "fp32", 2, "--tensor-model-parallel-size", 2, name="ours_tp2")
+    _reshard(tmp_path / "ours_tp2", tmp_path / "ours", 1)  # where _megatron_lm_loads_ours reads
+    got = run_distributed(_megatron_lm_loads_ours, 1, (str(tmp_path), "fp32"))[0]
+    assert got["iteration"] == K and got["consumed_train_samples"] == K * GBS
+    saved = safe_load(tmp_path / "ours" / f"iter_{K:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+    assert {k: got["scheduler"][k] for k in saved["opt_param_scheduler"]} == saved["opt_param_scheduler"]
+    mine = _our_optimizer_state(tmp_path / "ours", "gpt2", "fp32")
+    assert sorted(mine) == sorted(got["state"])
+    for name, (step, exp_avg, exp_avg_sq, main) in got["state"].items():
+        assert step == mine[name][0] == float(K), name
+        assert torch.equal(exp_avg, mine[name][1]) and torch.equal(exp_avg_sq, mine[name][2]), name
+        assert torch.equal(main, mine[name][3]), name
+    _assert_next_losses(got["losses"], ours, 1e-6)
