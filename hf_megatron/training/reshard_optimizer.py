@@ -114,7 +114,7 @@ def as_full_state(entry: dict) -> dict:
     return {**entry, "optimizer": _inner(entry), "fp32_from_fp16_params": halves}
 
 
-def hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
+def source_hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
     """(param groups without their params, loss scaler state or None) of a source optimizer entry in
     any layout; its groups must be the resharded rank's (`group_count`: Megatron's decay / no-decay)."""
     groups = _inner(entry).get("param_groups")
@@ -124,6 +124,7 @@ def hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[d
     scaler = entry.get("grad_scaler")
     return ([{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "step")} for g in groups],
             copy.deepcopy(scaler) if isinstance(scaler, dict) else None)
+
 
 # ------------------------------------------------------------------ source ranks
 
@@ -311,7 +312,7 @@ class ResumableReshard:
         Float16Params' with the state)."""
         _, group_sizes, _ = self.order(stage)
         first = self.source.payload(0, 0)
-        groups, scaler = hyper_parameters(first["optimizer"], len(group_sizes), self.source.file(0, 0))
+        groups, scaler = source_hyper_parameters(first["optimizer"], len(group_sizes), self.source.file(0, 0))
         step = self.source.step or 0
         if self.distributed:  # torch's AdamW counts in a float (megatron-core saves its .item())
             optimizer = distributed_optimizer_entry(groups, float(step), scaler)
