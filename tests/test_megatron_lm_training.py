@@ -178,9 +178,8 @@ def test_megatron_lms_own_load_checkpoint_resumes_our_training_checkpoint(arch, 
     got = run_distributed(_megatron_lm_loads_ours, 1, (str(tmp_path), dtype))[0]
     entry = torch.load(tmp_path / "ours" / f"iter_{K:07d}" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
     assert got["iteration"] == K and got["consumed_train_samples"] == K * GBS
-    # the scheduler: its checks passed (_check_and_set: same max/min lr, warmup, decay steps, style)
-    # and it holds our step count; ours writes no weight-decay schedule (start_wd, end_wd,
-    # wd_incr_steps, wd_incr_style), which Megatron-LM's load_state_dict treats as optional
+    # the scheduler: its checks passed (_check_and_set: same max/min lr, warmup, decay steps, style,
+    # and the weight-decay keys start_wd, end_wd, wd_incr_steps, wd_incr_style) and it holds our step count
     ours_scheduler = entry["opt_param_scheduler"]
     assert {k: got["scheduler"][k] for k in ours_scheduler} == ours_scheduler and ours_scheduler["num_steps"] == K * GBS
     # the model: every tensor of ours, bit for bit (Megatron-LM falls back to strict=False silently)

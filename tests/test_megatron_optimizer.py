@@ -75,11 +75,12 @@ def megatron_core_optimizer(model, args):
 
 
 def megatron_core_scheduler(optimizer):
+    """Megatron-LM's get_optimizer_param_scheduler for these runs' flags (--train-iters K + 2)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     return OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=HP["lr"], min_lr=HP["min_lr"],
                                    lr_warmup_steps=HP["warmup"] * GBS, lr_decay_steps=HP["decay"] * GBS,
                                    lr_decay_style=HP["style"], start_wd=HP["weight_decay"],
-                                   end_wd=HP["weight_decay"], wd_incr_steps=HP["decay"] * GBS, wd_incr_style="constant")
+                                   end_wd=HP["weight_decay"], wd_incr_steps=(K + 2) * GBS, wd_incr_style="constant")
 
 
 def megatron_core_state(model, optimizer) -> dict:

@@ -229,13 +229,18 @@ def test_a_nested_optimizer_entry_reshards_as_the_flat_one(workspace, tmp_path):
                          "--with-optimizer", "--no-checkpoint-checksums"]) == 0
     for t in range(2):
         rank = f"iter_{SAVE_AT:07d}/mp_rank_{t:02d}"
-        nested, flat_state = (safe_load(tmp_path / f"{kind}_tp2" / rank / "distrib_optim.pt") for kind in ("nested", "flat"))
-        assert nested["numels"] == flat_state["numels"] and nested["step"] == flat_state["step"] == SAVE_AT
-        for key in ("param", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(nested[key], flat_state[key]), key
-        written = safe_load(tmp_path / "flat_tp2" / rank / "model_optim_rng.pt")["optimizer"]
-        assert written["state"] == {} and "fp32_from_fp16_params" not in written
-        assert sum(len(g["params"]) for g in written["param_groups"]) == len(nested["numels"])
+        nested_entry, flat_entry = (safe_load(tmp_path / f"{kind}_tp2" / rank / "model_optim_rng.pt")["optimizer"]
+                                    for kind in ("nested", "flat"))
+        # a plain fp32 source gives a plain target: FP32Optimizer's entry, no distrib_optim.pt
+        assert not (tmp_path / "flat_tp2" / rank / "distrib_optim.pt").exists()
+        assert sorted(flat_entry) == ["param_groups", "state"] and sorted(nested_entry) == sorted(flat_entry)
+        assert nested_entry["param_groups"] == flat_entry["param_groups"]
+        assert all(g["step"] == SAVE_AT for g in flat_entry["param_groups"])
+        assert sorted(flat_entry["state"]) == list(range(sum(len(g["params"]) for g in flat_entry["param_groups"])))
+        for k, moments in flat_entry["state"].items():
+            assert float(moments["step"]) == SAVE_AT
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(nested_entry["state"][k][key], moments[key]), (k, key)
 
 
 def test_a_full_state_with_other_param_groups_is_refused(workspace, tmp_path):
@@ -251,5 +256,20 @@ def test_a_full_state_with_other_param_groups_is_refused(workspace, tmp_path):
     torch.save(payload, rank_file)
     line = _reshard_error("--src", merged / f"iter_{SAVE_AT:07d}", "--out", tmp_path / "x", "--tp", 2,
                           "--no-checkpoint-checksums")
-    assert str(rank_file) in line and "optimizer entry has 1 param groups, the resharded rank has 2" in line
+    assert str(rank_file) in line and "param groups of [15] params, the model's default groups have [10, 5]" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_target_optimizer_flags_are_checked(tmp_path):
+    """The target's optimizer flags need --with-optimizer, and bucket flags a distributed target."""
+    for flags, message in (
+            (["--use-distributed-optimizer"], "--use-distributed-optimizer: describes the target's optimizer; "
+                                              "give --with-optimizer as well"),
+            (["--ddp-bucket-size", 100], "--ddp-bucket-size: describes the target's optimizer"),
+            (["--with-optimizer", "--no-use-distributed-optimizer", "--overlap-grad-reduce"],
+             "--overlap-grad-reduce / --ddp-bucket-size: describe a distributed optimizer's buckets"),
+            (["--with-optimizer", "--ddp-bucket-size", 0], "--ddp-bucket-size: expected at least 1 element, got 0")):
+        code, _, err = _cli_capture(["reshard", "--src", str(tmp_path), "--out", str(tmp_path / "x"), *map(str, flags)])
+        assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert message in err, err
     assert not (tmp_path / "x").exists()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.compile import compiled_regions
+from .megatron_distrib_optim import distributed_optimizer_entry, grad_buffer_args
 from .optimizer import MixedPrecisionOptimizer
 from .optimizer_state import MOMENTS
 
@@ -114,9 +115,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The Megatron-LM flags of this optimizer's grad buffer, for the checkpoint's `args` (the
         layout of distrib_optim.pt follows them: megatron_distrib_optim.bucket_size_of); grads are
         reduced in fp32, as with --accumulate-allreduce-grads-in-fp32."""
-        return {"use_distributed_optimizer": True, "overlap_grad_reduce": self.grad_buffer.overlap,
-                "overlap_param_gather": self.overlap_param_gather, "ddp_bucket_size": self.bucket_size,
-                "accumulate_allreduce_grads_in_fp32": True}
+        return grad_buffer_args(self.grad_buffer.overlap, self.overlap_param_gather, self.bucket_size)
 
     def state_dict(self) -> dict:
         """megatron-core's DistributedOptimizer.state_dict(): {"optimizer": {"param_groups": groups
@@ -126,12 +125,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.grad_buffer.wait_param_gather()
         per_group = any("step" in g for g in self.optimizer.param_groups)
         step = int(self._step_count()) if per_group else float(self._step_count())
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
-                  for g in self.optimizer.state_dict()["param_groups"]]
-        out = {"optimizer": {"param_groups": groups}}
-        if self.scaler.dynamic or self.scaler.scale != 1.0:  # megatron-core has no scaler otherwise
-            out["grad_scaler"] = self.scaler.state_dict()
-        return out
+        scaler = self.scaler.state_dict() if self.scaler.dynamic or self.scaler.scale != 1.0 else None  # else none
+        return distributed_optimizer_entry(self.optimizer.state_dict()["param_groups"], step, scaler)
 
     def _step_count(self) -> int:
         """AdamW steps taken (dp rank 0, whose entry is saved, holds the start of every bucket)."""

@@ -135,6 +135,25 @@ def training_layout(chunks, args, pp_rank: int) -> list[MegatronBuffer]:
 
 # ------------------------------------------------------------------ write
 
+def grad_buffer_args(overlap_grad_reduce: bool, overlap_param_gather: bool, ddp_bucket_size: int | None) -> dict:
+    """The Megatron-LM flags a distributed optimizer's checkpoint records in `args`: the layout of its
+    distrib_optim.pt follows them (bucket_size_of); grads reduced in fp32, as with
+    --accumulate-allreduce-grads-in-fp32."""
+    return {"use_distributed_optimizer": True, "overlap_grad_reduce": bool(overlap_grad_reduce),
+            "overlap_param_gather": bool(overlap_param_gather), "ddp_bucket_size": ddp_bucket_size,
+            "accumulate_allreduce_grads_in_fp32": True}
+
+
+def distributed_optimizer_entry(param_groups: list[dict], step: int | float, grad_scaler: dict | None) -> dict:
+    """megatron-core's DistributedOptimizer.state_dict() (model_optim_rng.pt's optimizer entry): the
+    param groups without "params", each with the step; the loss scaler's state where there is one."""
+    out = {"optimizer": {"param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
+                                          for g in param_groups]}}
+    if grad_scaler is not None:
+        out["grad_scaler"] = grad_scaler
+    return out
+
+
 def empty_megatron_state(layout: list[MegatronBuffer]) -> tuple[dict, dict[int, tuple[dict, int]]]:
     """(distrib_optim.pt's content with zeros, {id(param): (its buffer's tensors, its offset)}): fill a
     param's `numel` elements of key X at tensors[X][offset:] to write it."""

@@ -17,12 +17,19 @@ Adam is elementwise, so moments split like their weights resume the same steps. 
 params on either side comes from a meta-device model of that layout (`param_groups`, the order
 MixedPrecisionOptimizer steps them in), never from the file.
 
-Output, per target rank: distrib_optim.pt (loads into either optimizer at any dp), and in
-model_optim_rng.pt the source's optimizer entry without per-param state (param groups renumbered
-for the rank, loss scaler), the LR scheduler, RNG (reshard_rng.py) and the data position.
-Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one
-target rank's flat state, and one full tensor at a time.  Only Megatron's two default param
-groups are understood (what `hf-megatron train` builds); other groupings are refused.
+Output, per target rank, what `hf-megatron train --save` writes for the target's optimizer:
+distributed (`--use-distributed-optimizer`) -- distrib_optim.pt in megatron-core's layout for the
+target's grad buffers (megatron_distrib_optim.empty_megatron_state over the target rank's params,
+the bucket flags recorded in args: grad_buffer_args) and DistributedOptimizer.state_dict()'s entry
+(distributed_optimizer_entry); plain -- Megatron-LM's FP32Optimizer / Float16OptimizerWithFloat16Params
+entry with the state (megatron_optimizer_layout.to_megatron, state numbered in megatron-core's param
+order).  Param groups' hyper-parameters and the loss scaler come from the source's entry (any
+layout); then the LR scheduler, RNG (reshard_rng.py) and the data position.  The target's
+choice (distributed or not, bucket flags) is the source's unless the command says otherwise.
+
+Memory: the source ranks one target pipeline stage reads (mmap where the file allows), one target
+rank's state (twice while its file is filled), and one full tensor at a time.  Only Megatron's two
+default param groups are understood (what `hf-megatron train` builds); other groupings are refused.
 """
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.args import FIELDS
+from ..checkpoint.args import FIELDS, build_args
 from ..checkpoint.files import MODEL_FILE, rank_dir_name, save_atomic
 from ..checkpoint.mcore import MegatronCheckpoint
 from ..checkpoint.names import layer_index, to_stage_global
@@ -42,9 +49,10 @@ from ..errors import CheckpointError
 from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
 from .checkpoint import DISTRIB_OPTIM_FILE
-from .megatron_distrib_optim import is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron
+from .megatron_distrib_optim import (distributed_optimizer_entry, empty_megatron_state, grad_buffer_args,
+                                     is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron)
+from .megatron_optimizer_layout import is_megatron_layout, megatron_groups, to_megatron
 from .optimizer import param_groups
-from .megatron_optimizer_layout import is_megatron_layout, megatron_groups
 from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
 from .reshard_rng import first_entry, resharded_rng_entry
 
@@ -72,6 +80,21 @@ def source_name(config, chunks, name: str) -> str:
     return EMBEDDING if tied_copy else name
 
 
+def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args, stage: int):
+    """megatron-core's grad buffers of one rank (megatron_distrib_optim.megatron_layout): the meta chunks'
+    params in their order, each standing as `tensors[name]` (its shape and dtype: a loaded weight shard,
+    or a stand-in of the target shard's); the tied word embedding of a pipeline-parallel model in a
+    bucket of its own (parallel/pipeline.tied_embedding_params' rule)."""
+    named = [[(n, tensors[n]) for n, p in chunk.named_parameters() if p.requires_grad] for chunk in chunks]
+    alone = set()
+    if pp > 1 and config.tie_word_embeddings:
+        if chunks[0].pre_process:
+            alone.add(id(tensors[EMBEDDING]))
+        if chunks[-1].post_process:
+            alone.add(id(tensors[TIED_COPY]))
+    return megatron_layout(named, args, stage, alone)
+
+
 # ------------------------------------------------------------------ optimizer entries
 
 def _inner(entry: dict) -> dict:
@@ -91,25 +114,16 @@ def as_full_state(entry: dict) -> dict:
     return {**entry, "optimizer": _inner(entry), "fp32_from_fp16_params": halves}
 
 
-def stripped_entry(entry: dict, group_sizes: list[int], where: Path) -> dict:
-    """The entry without per-param state ("state" emptied, main weights dropped: they are in
-    distrib_optim.pt), its param groups renumbered for a rank with `group_sizes` params."""
-    per_param = ("fp32_from_fp16_params", "optimizer", "state", "param_groups")  # not deep-copied: replaced
-    out = copy.deepcopy({k: v for k, v in entry.items() if k not in per_param})
-    inner = _inner(entry)
-    groups = inner.get("param_groups")
-    if not isinstance(groups, list) or len(groups) != len(group_sizes):
+def source_hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
+    """(param groups without their params, loss scaler state or None) of a source optimizer entry in
+    any layout; its groups must be the resharded rank's (`group_count`: Megatron's decay / no-decay)."""
+    groups = _inner(entry).get("param_groups")
+    if not isinstance(groups, list) or len(groups) != group_count:
         raise CheckpointError(f"{where}: optimizer entry has {len(groups) if isinstance(groups, list) else 'no'} param "
-                              f"groups, the resharded rank has {len(group_sizes)} (Megatron's decay / no-decay groups)")
-    starts = torch.tensor([0, *group_sizes]).cumsum(0).tolist()
-    renumbered = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
-                   "params": list(range(starts[i], starts[i + 1]))} for i, g in enumerate(groups)]
-    if inner is entry:
-        out.update(state={}, param_groups=renumbered)
-    else:
-        out["optimizer"] = {**{k: copy.deepcopy(v) for k, v in inner.items() if k not in ("state", "param_groups")},
-                            "state": {}, "param_groups": renumbered}
-    return out
+                              f"groups, the resharded rank has {group_count} (Megatron's decay / no-decay groups)")
+    scaler = entry.get("grad_scaler")
+    return ([{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "step")} for g in groups],
+            copy.deepcopy(scaler) if isinstance(scaler, dict) else None)
 
 
 # ------------------------------------------------------------------ source ranks
@@ -130,6 +144,7 @@ class SourceOptimizer:
         self.ckpt, self.config = ckpt, ckpt.config
         self.layers_per_chunk = _layers_per_chunk(ckpt)
         self.step: int | None = None
+        self.dtypes: dict[str, torch.dtype] = {}  # each param's model dtype (its weight's)
 
     def file(self, tp_rank: int, stage: int) -> Path:
         return self.ckpt.folder / rank_dir_name(tp_rank, stage, self.ckpt.pp) / MODEL_FILE
@@ -160,22 +175,13 @@ class SourceOptimizer:
         self.step = step
         out, at = {}, 0
         for name, weight in zip(names, model_params):
+            self.dtypes.setdefault(name, weight.dtype)
             out[name] = {k: ps[k][at:at + weight.numel()].view(weight.shape) for k in STATE_KEYS}
             at += weight.numel()
         return out
 
     def _megatron_layout(self, chunks, weights: dict[str, torch.Tensor], stage: int):
-        """megatron-core's grad buffers of a source rank: the meta chunks' params in their order, each
-        standing as its loaded weight shard (its shape and dtype); the tied word embedding of a
-        pipeline-parallel model in a bucket of its own (parallel/pipeline.tied_embedding_params' rule)."""
-        named = [[(n, weights[n]) for n, p in chunk.named_parameters() if p.requires_grad] for chunk in chunks]
-        alone = set()
-        if self.ckpt.pp > 1 and self.config.tie_word_embeddings:
-            if chunks[0].pre_process:
-                alone.add(id(weights[EMBEDDING]))
-            if chunks[-1].post_process:
-                alone.add(id(weights[TIED_COPY]))
-        return megatron_layout(named, self.ckpt.args, stage, alone)
+        return rank_layout(self.config, self.ckpt.pp, chunks, weights, self.ckpt.args, stage)
 
     @staticmethod
     def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int],
@@ -211,10 +217,18 @@ class SourceOptimizer:
 
 # ------------------------------------------------------------------ target ranks
 
-class ResumableReshard:
-    """What `conversion.convert.reshard` asks of a training-state carrier (see its docstring)."""
+GRAD_BUFFER_KEYS = (*grad_buffer_args(False, False, None), "ddp_num_buckets")
 
-    def __init__(self, ckpt, tp: int, pp: int, vpp: int | None) -> None:
+
+class ResumableReshard:
+    """What `conversion.convert.reshard` asks of a training-state carrier (see its docstring).
+
+    `distributed`: whether the target resumes with the distributed optimizer (None: as the source
+    ran); `overlap_grad_reduce` / `ddp_bucket_size`: the target's grad-buffer flags, which fix the
+    layout of its distrib_optim.pt (None: the source's)."""
+
+    def __init__(self, ckpt, tp: int, pp: int, vpp: int | None, distributed: bool | None = None,
+                 overlap_grad_reduce: bool | None = None, ddp_bucket_size: int | None = None) -> None:
         if not isinstance(ckpt, MegatronCheckpoint):
             raise CheckpointError(f"{ckpt.folder}: --with-optimizer reads torch-format training checkpoints "
                                   f"(mp_rank_* folders), not {type(ckpt).__name__}")
@@ -225,12 +239,22 @@ class ResumableReshard:
         if not isinstance(first.get("optimizer"), dict):
             raise CheckpointError(f"{self.source.file(0, 0)}: holds no optimizer entry (a converted or weights-only "
                                   f"checkpoint); --with-optimizer needs a training checkpoint saved with its optimizer")
-        self._check_dtypes(first)
-        self.args = self._run_args(ckpt.args)
+        dtype = self._check_dtypes(first)
+        source_args = ckpt.args or argparse.Namespace()
+        if distributed is None:
+            distributed = bool(getattr(source_args, "use_distributed_optimizer", False)) or \
+                (self.source.file(0, 0).parent / DISTRIB_OPTIM_FILE).is_file()
+        self.distributed = distributed
+        self.args = self._run_args(source_args, distributed, overlap_grad_reduce, ddp_bucket_size)
+        # the args the target's files are written with (the grad-buffer layout follows them)
+        self.target_args = build_args(self.config, **{"params_dtype": dtype, **self.args}, tp=tp, pp=pp,
+                                      vpp=vpp if self.vpp > 1 else None)
+        # every target stage 0 reads source stage 0; its step is known from here on (the entries carry it)
+        self._cache = {(t, 0): self.source.rank_state(t, 0) for t in range(ckpt.tp)}
 
-    def _check_dtypes(self, first: dict) -> None:
+    def _check_dtypes(self, first: dict) -> torch.dtype:
         """Weights stored in the dtype the args name (a bf16 run's optimizer keeps fp32 main weights
-        apart from bf16 weights; an fp32 run's main weights are its weights)."""
+        apart from bf16 weights; an fp32 run's main weights are its weights); returns it."""
         stored = self.ckpt.get("decoder.final_layernorm.weight").dtype
         args = self.ckpt.args
         named = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
@@ -239,12 +263,23 @@ class ResumableReshard:
             raise CheckpointError(f"{self.source.file(0, 0)}: weights stored as {str(stored).replace('torch.', '')} "
                                   f"but args say {str(named).replace('torch.', '')} (fp16/bf16 flags); the optimizer "
                                   f"state cannot be matched to them")
+        return stored
 
     @staticmethod
-    def _run_args(args: argparse.Namespace | None) -> dict[str, Any]:
-        """The run's own args (batch sizes, seed, split, ...): the layout fields are rebuilt."""
-        ours = {k: v for k, v in vars(args or argparse.Namespace()).items()
-                if k not in FIELDS and k not in ("hf_config", "hf_megatron_version")}
+    def _run_args(args: argparse.Namespace, distributed: bool, overlap_grad_reduce: bool | None,
+                  ddp_bucket_size: int | None) -> dict[str, Any]:
+        """The run's own args (batch sizes, seed, split, ...; the layout fields are rebuilt) with the
+        target optimizer's: a distributed one records its grad-buffer flags as `train --save` does
+        (megatron_distrib_optim.grad_buffer_args), a plain one none of them."""
+        source = vars(args)
+        ours = {k: v for k, v in source.items()
+                if k not in FIELDS and k not in ("hf_config", "hf_megatron_version") and k not in GRAD_BUFFER_KEYS}
+        if distributed:
+            overlap = source.get("overlap_grad_reduce", False) if overlap_grad_reduce is None else overlap_grad_reduce
+            bucket = source.get("ddp_bucket_size") if ddp_bucket_size is None else ddp_bucket_size
+            ours.update(grad_buffer_args(overlap, source.get("overlap_param_gather", False), bucket))
+            if ddp_bucket_size is None and source.get("ddp_num_buckets"):  # Megatron-LM's other bucket rule
+                ours["ddp_num_buckets"] = source["ddp_num_buckets"]
         return {**ours, "has_optimizer": True, "has_rng": True}
 
     def order(self, stage: int) -> tuple[list[str], list[int], list]:
@@ -252,11 +287,38 @@ class ResumableReshard:
             self._order = {stage: stage_param_order(self.config, self.pp, self.vpp, stage)}
         return self._order[stage]
 
+    def _target_state(self, tp_rank: int, stage: int):
+        """(name, {param, exp_avg, exp_avg_sq}: fp32 shaped as the rank's weight shard, source name) of
+        target rank (tp_rank, stage), in `model_params` order; the source ranks this stage reads are
+        loaded once (the others released).  The tensors may be views of a merged tensor: copy them."""
+        names, _, chunks = self.order(stage)
+        sources = [source_name(self.config, chunks, n) for n in names]
+        stages = sorted({self.ckpt.locate(s)[0] for s in sources})
+        self._cache = {key: value for key, value in self._cache.items() if key[1] in stages}
+        for p in stages:
+            for t in range(self.ckpt.tp):
+                if (t, p) not in self._cache:
+                    self._cache[(t, p)] = self.source.rank_state(t, p)
+        for name, src in zip(names, sources):
+            p = self.ckpt.locate(src)[0]
+            yield name, {key: split_tensor(src, merge_tensor(src, [self._cache[(t, p)][src][key]
+                                                                   for t in range(self.ckpt.tp)], self.config),
+                                           self.config, self.tp)[tp_rank].float() for key in STATE_KEYS}, src
+
     def rank_entries(self, tp_rank: int, stage: int) -> dict[str, Any]:
-        """optimizer (no per-param state), opt_param_scheduler, rng_state of target rank (tp_rank, stage)."""
+        """optimizer, opt_param_scheduler, rng_state of target rank (tp_rank, stage): the optimizer entry
+        as the target's optimizer writes it (megatron-core's DistributedOptimizer.state_dict(), its
+        per-param state in distrib_optim.pt: `write`; or FP32Optimizer's / Float16OptimizerWith-
+        Float16Params' with the state)."""
         _, group_sizes, _ = self.order(stage)
         first = self.source.payload(0, 0)
-        entries = {"optimizer": stripped_entry(first["optimizer"], group_sizes, self.source.file(0, 0))}
+        groups, scaler = source_hyper_parameters(first["optimizer"], len(group_sizes), self.source.file(0, 0))
+        step = self.source.step or 0
+        if self.distributed:  # torch's AdamW counts in a float (megatron-core saves its .item())
+            optimizer = distributed_optimizer_entry(groups, float(step), scaler)
+        else:
+            optimizer = self._full_entry(tp_rank, stage, groups, scaler, step)
+        entries = {"optimizer": optimizer}
         if isinstance(first.get("opt_param_scheduler"), dict):
             entries["opt_param_scheduler"] = copy.deepcopy(first["opt_param_scheduler"])
         seed = int(getattr(self.ckpt.args, "seed", 1234) or 1234)
@@ -266,29 +328,44 @@ class ResumableReshard:
             entries["rng_state"] = [rng]
         return entries
 
+    def _full_entry(self, tp_rank: int, stage: int, groups: list[dict], scaler: dict | None, step: int) -> dict:
+        """Megatron-LM's entry of a plain optimizer (megatron_optimizer_layout.to_megatron, what
+        MixedPrecisionOptimizer.state_dict() writes) for target rank (tp_rank, stage)."""
+        _, _, chunks = self.order(stage)
+        mains, low, state = [], [], {}
+        for i, (_, tensors, src) in enumerate(self._target_state(tp_rank, stage)):
+            mains.append(tensors["param"].clone())
+            low.append(self.source.dtypes[src] != torch.float32)
+            if step:  # torch's AdamW state of a param: the step count (a float tensor) and the moments
+                state[i] = {"step": torch.tensor(float(step)), **{k: tensors[k].clone() for k in MOMENTS}}
+        float16 = any(low) or bool(scaler and "scale" in scaler)  # a dynamic scaler: fp16
+        order = megatron_groups(chunks, [g["params"] for g in param_groups(chunks, weight_decay=0.0)])[0]
+        return to_megatron({"state": state, "param_groups": groups}, order, mains, low, scaler, float16, step)
+
+    def _distrib_optim(self, tp_rank: int, stage: int) -> dict:
+        """megatron-core's distrib_optim.pt of target rank (tp_rank, stage), laid out by the target's
+        grad buffers (megatron_distrib_optim.empty_megatron_state)."""
+        _, _, chunks = self.order(stage)
+        placed = []
+        stand_ins: dict[str, torch.Tensor] = {}
+        for name, tensors, src in self._target_state(tp_rank, stage):
+            stand_ins[name] = torch.empty(tensors["param"].shape, dtype=self.source.dtypes[src], device="meta")
+            placed.append((name, {k: t.clone() for k, t in tensors.items()}))  # a view keeps a merged tensor
+        ps, place = empty_megatron_state(rank_layout(self.config, self.pp, chunks, stand_ins, self.target_args, stage))
+        for name, tensors in placed:
+            buffers, at = place[id(stand_ins[name])]
+            for key in STATE_KEYS:
+                buffers[key][at:at + tensors[key].numel()] = tensors[key].reshape(-1)
+        return ps
+
     def write(self, iter_dir: Path) -> dict[str, Any]:
-        """distrib_optim.pt of every target rank; one target stage's source ranks loaded at a time."""
-        cache: dict[tuple[int, int], dict] = {}
-        for stage in range(self.pp):
-            names, _, chunks = self.order(stage)
-            sources = [source_name(self.config, chunks, n) for n in names]
-            stages = sorted({self.ckpt.locate(s)[0] for s in sources})
-            cache = {key: value for key, value in cache.items() if key[1] in stages}  # release the others
-            for p in stages:
-                for t in range(self.ckpt.tp):
-                    if (t, p) not in cache:
-                        cache[(t, p)] = self.source.rank_state(t, p)
-            for tp_rank in range(self.tp):
-                flat = {k: [] for k in STATE_KEYS}
-                for src in sources:
-                    p = self.ckpt.locate(src)[0]
-                    for key in STATE_KEYS:
-                        full = merge_tensor(src, [cache[(t, p)][src][key] for t in range(self.ckpt.tp)], self.config)
-                        shard = split_tensor(src, full, self.config, self.tp)[tp_rank]
-                        # a copy: a view would keep the whole merged tensor alive until the rank is written
-                        flat[key].append(shard.reshape(-1).float().clone())
-                state = {"numels": [t.numel() for t in flat["param"]], "step": self.source.step or 0,
-                         **{k: torch.cat(v) if v else torch.zeros(0) for k, v in flat.items()}}
-                save_atomic(state, iter_dir / rank_dir_name(tp_rank, stage, self.pp) / DISTRIB_OPTIM_FILE)
-                del flat, state
-        return {"step": self.source.step or 0, "ranks": self.tp * self.pp}
+        """distrib_optim.pt of every target rank when the target is distributed (its entries are
+        written by `rank_entries`); one target stage's source ranks loaded at a time."""
+        if self.distributed:
+            for stage in range(self.pp):
+                for tp_rank in range(self.tp):
+                    save_atomic(self._distrib_optim(tp_rank, stage),
+                                iter_dir / rank_dir_name(tp_rank, stage, self.pp) / DISTRIB_OPTIM_FILE)
+        self._cache = {}
+        return {"step": self.source.step or 0, "ranks": self.tp * self.pp,
+                "layout": "distributed optimizer" if self.distributed else "optimizer entry"}

@@ -15,6 +15,12 @@ at n = 0 (rate 0 when there is warmup).  Megatron-LM counts these in samples (it
 global batch size); the ratios are identical, so we count iterations and convert only in
 `state_dict` / `load_state_dict`, which use Megatron's keys and units (`samples_per_iter` =
 global batch size), so a checkpoint's `opt_param_scheduler` loads in either program.
+
+Weight decay is constant (Megatron-LM's --weight-decay-incr-style constant, its default).  Given the
+run's `weight_decay` and `train_iters`, `state_dict` also holds what Megatron-LM's scheduler has for
+the same flags -- start_wd = end_wd = weight decay, wd_incr_style "constant", wd_incr_steps =
+train_iters x global batch size -- which megatron-core's `load_state_dict` checks when present (a
+--train-samples run's count, train_samples, is the same when it is a whole number of global batches).
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 class LRScheduler:
     def __init__(self, optimizer, lr: float, min_lr: float = 0.0, warmup_iters: int = 0,
-                 decay_iters: int | None = None, decay_style: str = "linear", samples_per_iter: int = 1) -> None:
+                 decay_iters: int | None = None, decay_style: str = "linear", samples_per_iter: int = 1,
+                 weight_decay: float | None = None, train_iters: int | None = None) -> None:
         if decay_style not in DECAY_STYLES:
             raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, got {decay_style!r}")
         if not 0.0 <= min_lr <= lr:
@@ -41,6 +48,7 @@ class LRScheduler:
         self.warmup_iters, self.decay_iters, self.decay_style = warmup_iters, decay_iters, decay_style
         self.num_steps = 0
         self.samples_per_iter = samples_per_iter
+        self.weight_decay, self.train_iters = weight_decay, train_iters  # for state_dict's weight-decay keys
         self._apply()
 
     def get_lr(self, num_steps: int | None = None) -> float:
@@ -74,9 +82,13 @@ class LRScheduler:
     def state_dict(self) -> dict:
         """Megatron's `opt_param_scheduler` entry (steps in samples)."""
         n = self.samples_per_iter
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters * n,
-                "lr_decay_steps": self.decay_iters * n, "lr_decay_style": self.decay_style,
-                "num_steps": self.num_steps * n}
+        out = {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters * n,
+               "lr_decay_steps": self.decay_iters * n, "lr_decay_style": self.decay_style,
+               "num_steps": self.num_steps * n}
+        if self.weight_decay is not None and self.train_iters is not None:
+            out.update(start_wd=float(self.weight_decay), end_wd=float(self.weight_decay), wd_incr_style="constant",
+                       wd_incr_steps=self.train_iters * n)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Resume the step count (the schedule's shape stays as configured, as Megatron's default)."""
