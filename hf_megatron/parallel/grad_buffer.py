@@ -167,7 +167,7 @@ class GradBuffer:
         self._fold_queued = False  # a backward that raised never ran its fold
         for bucket in self.buckets:
             bucket.launched, bucket.ready = False, 0
-        counting = self.overlap and self.dp > 1 and num_micro_batches
+        counting = self.per_param and num_micro_batches
         self._left = {id(p): num_micro_batches for b in self.buckets for p in b.params} if counting else {}
 
     def _accumulate(self, p: torch.Tensor) -> None:

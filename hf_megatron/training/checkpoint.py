@@ -44,7 +44,7 @@ from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
 from .megatron_distrib_optim import (empty_megatron_state, is_megatron_distrib_optim, parameter_state_from_megatron,
-                                     training_layout)
+                                     training_layout, unwrap_model)
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_state import parameter_state_from
 from .torch_dist_resume import PARAMETER_STATE, is_torch_dist_folder, read_torch_dist
@@ -69,12 +69,6 @@ def _coords() -> tuple[int, int, int, int, int]:
     """(tp_rank, pp_rank, pp_size, dp_rank, cp_rank) of this process."""
     st = state.get_state()
     return st.coords["tp"], st.coords["pp"], st.pp, st.coords["dp"], st.coords["cp"]
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and not hasattr(module, "config"):  # DDP and similar wrappers
-        module = module.module
-    return module
 
 
 # ------------------------------------------------------------------ RNG
@@ -127,7 +121,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
     `args` namespace (e.g. seq_length).  Re-saving an iteration replaces it whole; entries of
     `extra` / `args` given as None keep the value the earlier save recorded."""
-    chunks = [_unwrap(m) for m in _chunks(model_chunks)]
+    chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     final = Path(save_dir) / iter_dir_name(iteration)
     is_first = not _distributed() or dist.get_rank() == 0
@@ -220,7 +214,7 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     `scheduler_policy`: "load" takes the saved step count as is; "check" / "override" /
     "checkpoint" apply Megatron-LM's shape rule (`restore_scheduler`).  `info`, when given, receives
     the file's non-tensor entries (iteration, args, consumed_train_samples, ..., rng_state)."""
-    chunks = [_unwrap(m) for m in _chunks(model_chunks)]
+    chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     folder, resolved = resolve_iteration_dir(load_dir, iteration)
     torch_dist = is_torch_dist_folder(folder)  # megatron-core's global tensors: any layout (torch_dist_resume.py)

@@ -40,7 +40,7 @@ from ..parallel import state
 from ..parallel.compile import compiled_regions
 from .megatron_distrib_optim import distributed_optimizer_entry, grad_buffer_args
 from .optimizer import MixedPrecisionOptimizer
-from .optimizer_state import MOMENTS
+from .optimizer_state import STATE_KEYS
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -125,7 +125,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self.grad_buffer.wait_param_gather()
         per_group = any("step" in g for g in self.optimizer.param_groups)
         step = int(self._step_count()) if per_group else float(self._step_count())
-        scaler = self.scaler.state_dict() if self.scaler.dynamic or self.scaler.scale != 1.0 else None  # else none
+        scaler = self.scaler.state_dict() if self.scaler.active else None
         return distributed_optimizer_entry(self.optimizer.state_dict()["param_groups"], step, scaler)
 
     def _step_count(self) -> int:
@@ -146,7 +146,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         flat = None
         if place is None and self.grad_buffer.dp_rank == 0:
             numels = [p.numel() for p in self.model_params]
-            flat = {key: torch.zeros(sum(numels), dtype=torch.float32) for key in ("param", *MOMENTS)}
+            flat = {key: torch.zeros(sum(numels), dtype=torch.float32) for key in STATE_KEYS}
             starts = torch.tensor([0] + numels).cumsum(0).tolist()
             place = {id(p): (flat, start) for p, start in zip(self.model_params, starts)}
         self._gather_into(place)
@@ -160,7 +160,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         mine = {id(p): (lo, main) for (p, lo, _), main in zip(self.fragments, self.main_params)}
         for bucket in buffer.buckets:
             shard_lo, shard_hi = bucket.shard_range(buffer.dp_rank, buffer.dp)
-            for key in ("param", *MOMENTS):
+            for key in STATE_KEYS:
                 local = torch.zeros(shard_hi - shard_lo, dtype=torch.float32, device=buffer.data.device)
                 for p, offset in zip(bucket.params, bucket.offsets):
                     if id(p) in mine:

@@ -40,10 +40,9 @@ import torch
 from ..errors import CheckpointError
 from ..parallel import pipeline
 from .megatron_optimizer_layout import inner_state, megatron_module_order
-from .optimizer_state import MOMENTS
+from .optimizer_state import STATE_KEYS
 
 PARAM_ALIGN = 64  # _pad_start_of_param_if_needed
-STATE_KEYS = ("param", *MOMENTS)
 
 
 @dataclass
@@ -64,7 +63,8 @@ def is_megatron_distrib_optim(ps) -> bool:
     return isinstance(ps, dict) and "numels" not in ps and ("buckets_coalesced" in ps or 0 in ps)
 
 
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP-style wrappers (each keeps the wrapped module as `.module`)."""
     while hasattr(module, "module") and not hasattr(module, "config"):
         module = module.module
     return module
@@ -128,7 +128,7 @@ def megatron_layout(named_chunks: list[list[tuple[str, torch.Tensor]]], args, pp
 
 def training_layout(chunks, args, pp_rank: int) -> list[MegatronBuffer]:
     """megatron_layout of this training rank's model chunks."""
-    chunks = [_unwrap(c) for c in chunks]
+    chunks = [unwrap_model(c) for c in chunks]
     named = [[(n, p) for n, p in chunk.named_parameters() if p.requires_grad] for chunk in chunks]
     return megatron_layout(named, args, pp_rank, {id(p) for p in pipeline.tied_embedding_params(chunks)})
 

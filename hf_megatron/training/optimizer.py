@@ -97,6 +97,11 @@ class LossScaler:
                 self.good_steps, self.hysteresis_left = 0, self.hysteresis
                 self.scale *= self.growth
 
+    @property
+    def active(self) -> bool:
+        """Whether the loss is scaled at all (fp16: dynamic, or a constant --loss-scale other than 1)."""
+        return self.dynamic or self.scale != 1.0
+
     def state_dict(self) -> dict:
         """megatron-core's: DynamicGradScaler {scale: fp32 [1], trackers}; ConstantGradScaler {}."""
         if not self.dynamic:
@@ -218,8 +223,7 @@ class MixedPrecisionOptimizer:
         it with the loss).  Otherwise the host decides as before and the result is the pair."""
         self.finish_grad_sync()
         grads = self._main_grads()
-        fused = bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
-        if not fused or self.scaler.dynamic or self.scaler.scale != 1.0:
+        if not self._fused_adamw(grads) or self.scaler.active:
             return self._step_on_host(grads)
         norm = self.grad_norm_tensor(grads)
         skipped = (~torch.isfinite(norm)).to(torch.float32)  # 0-d: AdamW subtracts it from each 0-d step count
@@ -237,8 +241,12 @@ class MixedPrecisionOptimizer:
         norm, skipped = launched.tolist() if values is None else values
         return (False, None) if skipped else (True, norm)
 
+    def _fused_adamw(self, grads) -> bool:
+        """torch's fused AdamW steps every group (its kernel takes grad_scale / found_inf tensors)."""
+        return bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
+
     def _step_on_host(self, grads) -> tuple[bool, float | None]:
-        if self.scaler.dynamic or self.scaler.scale != 1.0:
+        if self.scaler.active:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
             found_inf = self._unscale_and_check(grads)
             self.scaler.update(found_inf)
@@ -250,7 +258,7 @@ class MixedPrecisionOptimizer:
             # all-reduced over the model-parallel group and equal on dp ranks (grads are summed)
             return False, None
         coeff = self.clip_grad / (norm + 1e-6) if self.clip_grad and self.clip_grad > 0 else 1.0
-        in_kernel = coeff < 1.0 and bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
+        in_kernel = coeff < 1.0 and self._fused_adamw(grads)
         if coeff < 1.0 and not in_kernel:
             torch._foreach_mul_(grads, coeff)
         # torch's fused AdamW divides each gradient by `grad_scale` as it reads it (the hook
@@ -327,7 +335,7 @@ class MixedPrecisionOptimizer:
         Float16OptimizerWithFloat16Params' (megatron_optimizer_layout.py)."""
         low = [view is not None for view in self._model_views]
         float16 = any(low) or self.scaler.dynamic
-        scaler = self.scaler.state_dict() if self.scaler.dynamic or self.scaler.scale != 1.0 else None
+        scaler = self.scaler.state_dict() if self.scaler.active else None
         inner = self.optimizer.state_dict()
         step = next((int(e["step"]) for e in inner["state"].values() if e.get("step") is not None), 0)
         return to_megatron(inner, self.megatron_order[0], self.main_params, low, scaler, float16, step)

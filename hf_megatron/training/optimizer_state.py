@@ -31,6 +31,7 @@ from ..errors import CheckpointError
 from .megatron_optimizer_layout import inner_state, is_megatron_layout, megatron_entries, saved_step
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = ("param", *MOMENTS)  # per param: fp32 main weight, then the Adam moments
 
 
 def check_parameter_state(ps: dict, model_params: list[torch.Tensor]) -> None:
@@ -40,7 +41,7 @@ def check_parameter_state(ps: dict, model_params: list[torch.Tensor]) -> None:
     if list(ps["numels"]) != numels:
         raise CheckpointError(f"distrib_optim.pt: saved for {len(ps['numels'])} params of "
                               f"{sum(ps['numels'])} elements, this rank has {len(numels)} of {sum(numels)}")
-    for key in ("param", *MOMENTS):
+    for key in STATE_KEYS:
         if not isinstance(ps[key], torch.Tensor) or ps[key].numel() != sum(numels):
             raise CheckpointError(f"distrib_optim.pt: {key} should be a tensor of {sum(numels)} elements")
 
@@ -91,7 +92,7 @@ def parameter_state_from(states: list[dict], model_params: list[torch.Tensor], o
     else:
         entries = _our_entries(states, model_params)
         step = next((int(e["step"]) for e, _ in entries if e.get("step") is not None), 0)
-    flat = {key: [] for key in ("param", *MOMENTS)}
+    flat = {key: [] for key in STATE_KEYS}
     for p, (entry, main) in zip(model_params, entries):
         main = p.detach() if main is None else main
         if main.numel() != p.numel():

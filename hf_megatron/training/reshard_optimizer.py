@@ -53,10 +53,9 @@ from .megatron_distrib_optim import (distributed_optimizer_entry, empty_megatron
                                      is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron)
 from .megatron_optimizer_layout import is_megatron_layout, megatron_groups, to_megatron
 from .optimizer import param_groups
-from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
+from .optimizer_state import MOMENTS, STATE_KEYS, check_parameter_state, parameter_state_from
 from .reshard_rng import first_entry, resharded_rng_entry
 
-STATE_KEYS = ("param", *MOMENTS)
 TIED_COPY = "output_layer.weight"
 EMBEDDING = "embedding.word_embeddings.weight"
 

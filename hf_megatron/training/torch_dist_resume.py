@@ -61,8 +61,8 @@ from ..checkpoint.unpickle import safe_load
 from ..errors import CheckpointError
 from ..parallel import comm, state as parallel_state
 from ..parallel.sharding import split_tensor
-from .megatron_distrib_optim import STATE_KEYS, parameter_state_from_megatron, saved_group_step, training_layout
-from .optimizer_state import MOMENTS
+from .megatron_distrib_optim import parameter_state_from_megatron, saved_group_step, training_layout
+from .optimizer_state import MOMENTS, STATE_KEYS
 
 OPTIMIZER_PREFIX = "optimizer.state."
 DISTRIBUTED_PREFIX = "optimizer.distributed.dp_group_idx_"

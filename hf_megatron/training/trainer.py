@@ -149,7 +149,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
         sync_sequence_parallel_grads(optimizer.model_params)
         pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
         launched = optimizer.launch_step()  # queued without a host sync where it can be
-        if isinstance(launched, torch.Tensor):
+        if isinstance(launched, torch.Tensor):  # [norm, skipped], read with the loss below
             totals = torch.cat([totals, launched])
     # one host sync per step: loss, token count (and the grad norm, when the update was queued on the device)
     host = totals.tolist()
@@ -158,7 +158,7 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
               "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
     if accumulate:
         return result
-    updated, grad_norm = optimizer.finish_step(launched, host[2:] if isinstance(launched, torch.Tensor) else None)
+    updated, grad_norm = optimizer.finish_step(launched, host[2:] or None)
     if updated and scheduler is not None:
         scheduler.step()
     return {**result, "grad_norm": grad_norm, "skipped": not updated}
