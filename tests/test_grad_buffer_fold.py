@@ -74,3 +74,45 @@ def test_a_backward_that_raised_does_not_stop_later_folds():
     buffer.finish()
     for p, want in zip(module.parameters(), expected):
         torch.testing.assert_close(p.main_grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backwards", [1, 2, 3])
+def test_lazy_buffer_waits_for_a_second_backward_with_the_same_sums(backwards):
+    """lazy=True: after one backward nothing is allocated and `gradients()` are plain autograd's
+    bf16 grads (their fp32 sum is themselves); a second backward allocates the buffer, which then
+    holds the same fp32 sums as an eager buffer, bit for bit, and stays allocated."""
+    module, batches = _module(), _batches(backwards)
+    expected = _reference_main_grads(copy.deepcopy(module), batches)
+    params = list(module.parameters())
+    buffer = GradBuffer([module], params, lazy=True)
+    for step in range(2):
+        buffer.zero()
+        for x in batches:
+            module(x).float().square().sum().backward()
+            assert all(p.grad is None for p in params)
+        buffer.finish()
+        got = buffer.gradients(params)
+        if backwards == 1:
+            assert buffer.data is None and not hasattr(params[0], "main_grad")
+            assert [g.dtype for g in got] == [torch.bfloat16] * len(params)
+        else:
+            assert buffer.data is not None and all(g.dtype == torch.float32 for g in got)
+        for g, want in zip(got, expected):
+            torch.testing.assert_close(g.float(), want, rtol=0, atol=0)
+
+
+def test_lazy_buffer_gives_zeros_for_a_param_without_gradient():
+    module = _module()
+    params = list(module.parameters())
+    buffer = GradBuffer([module], params, lazy=True)
+    buffer.zero()
+    module[0](_batches(1)[0]).float().sum().backward()  # the second linear gets no gradient
+    buffer.finish()
+    got = buffer.gradients(params)
+    assert got[0].abs().sum() > 0 and all(g.abs().sum() == 0 and g.shape == p.shape for g, p in zip(got[2:], params[2:]))
+
+
+def test_lazy_needs_one_dp_rank_and_unsharded_params():
+    module = _module()
+    with pytest.raises(ValueError, match="lazy allocation needs dp = 1"):
+        GradBuffer([module], list(module.parameters()), lazy=True, shard_params=True)

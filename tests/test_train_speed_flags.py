@@ -1,4 +1,5 @@
-"""`hf-megatron train --cross-entropy-loss-fusion --torch-compile --gradient-accumulation-fusion`: the
+"""`hf-megatron train --cross-entropy-loss-fusion --torch-compile --gradient-accumulation-fusion
+--use-precision-aware-optimizer`: the
 speed options change how the step is computed, not what: the same losses as the plain run (fp32, CPU;
 compile, the chunked loss and the fused weight-gradient GEMM reorder float sums, hence rel 1e-5 and not
 bit equality)."""
@@ -31,8 +32,9 @@ def test_speed_flags_train_the_same_losses(tmp_path):
     plain = _train(tmp_path, tmp_path / "plain")
     assert plain.returncode == 0, plain.stderr[-2000:]
     fast = _train(tmp_path, tmp_path / "fast", "--cross-entropy-loss-fusion", "--torch-compile",
-                  "--gradient-accumulation-fusion")
+                  "--gradient-accumulation-fusion", "--use-precision-aware-optimizer")
     assert fast.returncode == 0, fast.stderr[-2000:]
+    assert "--use-precision-aware-optimizer: csrc's AdamW needs CUDA tensors" in fast.stderr  # CPU: torch's AdamW
     a = json.loads((tmp_path / "plain" / "training_summary.json").read_text())
     b = json.loads((tmp_path / "fast" / "training_summary.json").read_text())
     assert a["iterations"] == b["iterations"] == 3

@@ -25,6 +25,13 @@ gradients live until its backward ends (2 bytes per param, when the activations 
 With `--gradient-accumulation-fusion` (parallel/wgrad.py) a fused weight's GEMM has already
 accumulated into main_grad and `p.grad` is a placeholder: it is only counted and freed.
 
+Lazy allocation (`lazy=True`: one process, nothing to reduce).  With one backward per step the fp32
+sum is the bf16 gradient itself, widened; so the buffer is not allocated until a step has a second
+backward: the first one's gradients are set aside as autograd made them (`gradients()` returns
+them; the optimizer's csrc AdamW widens them in registers), a second one allocates the buffer and
+folds both, and from then on the buffer is used as above.  Saves 4 bytes per param of memory and
+the fold's pass over them; the sums are the same numbers.
+
 Reduction over the dp group, SUM:  `all_reduce` of the bucket, or with the distributed optimizer
 `reduce_scatter`: dp rank r receives shard r of the summed bucket; the other elements keep this
 rank's partial sums and are never read.  With `overlap=True` a bucket is launched (async) the
@@ -126,44 +133,64 @@ class GradBuffer:
 
     def __init__(self, chunks, params: list[torch.Tensor], group=None, bucket_size: int | None = None,
                  overlap: bool = False, reduce_scatter: bool = False, shard_params: bool = False,
-                 alone: list[torch.Tensor] = ()) -> None:
+                 alone: list[torch.Tensor] = (), lazy: bool = False) -> None:
         self.group = group
         self.dp = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.overlap, self.reduce_scatter = overlap, reduce_scatter
-        plans = plan_buckets(chunks, params, self.dp, bucket_size or default_bucket_size(self.dp), alone)
-        total = sum(numel for *_, numel in plans)
-        device = params[0].device if params else torch.device("cpu")
-        self.data = torch.zeros(total, dtype=torch.float32, device=device)
+        if lazy and (self.dp > 1 or shard_params):
+            raise ValueError("GradBuffer: lazy allocation needs dp = 1 and unsharded params")
+        self.plans = plan_buckets(chunks, params, self.dp, bucket_size or default_bucket_size(self.dp), alone)
+        self._device = params[0].device if params else torch.device("cpu")
+        self.data: torch.Tensor | None = None
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
         self.offset_of: dict[int, int] = {}  # id(p) -> its start inside its bucket
-        for members, offsets, start, numel in plans:
+        self._params = [p for members, *_ in self.plans for p in members]
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # lazy: the step's one backward
+        if not lazy:
+            self._allocate(shard_params)
+        self._left: dict[int, int] = {}  # id(p) -> hook firings still expected this step
+        self.per_param = overlap and self.dp > 1  # reductions launched from inside backward
+        self._fold_queued = False
+        hook = self._accumulate if self.per_param else self._queue_fold
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
+
+    def _allocate(self, shard_params: bool = False) -> None:
+        """The fp32 buffer and every param's `main_grad` view (zeros)."""
+        total = sum(numel for *_, numel in self.plans)
+        self.data = torch.zeros(total, dtype=torch.float32, device=self._device)
+        for members, offsets, start, numel in self.plans:
             bucket = Bucket(members, offsets, numel, self.data[start:start + numel])
             for p, offset in zip(members, offsets):
                 p.main_grad = bucket.grad[offset:offset + p.numel()].view(p.shape)
                 self.bucket_of[id(p)], self.offset_of[id(p)] = bucket, offset
             if shard_params:
-                bucket.param_data = torch.zeros(numel, dtype=members[0].dtype, device=device)
+                bucket.param_data = torch.zeros(numel, dtype=members[0].dtype, device=self._device)
                 with torch.no_grad():
                     for p, offset in zip(members, offsets):
                         view = bucket.param_data[offset:offset + p.numel()].view(p.shape)
                         view.copy_(p)
                         p.data = view
             self.buckets.append(bucket)
-        self._left: dict[int, int] = {}  # id(p) -> hook firings still expected this step
-        self._params = [p for b in self.buckets for p in b.params]
-        self.per_param = overlap and self.dp > 1  # reductions launched from inside backward
-        self._fold_queued = False
-        hook = self._accumulate if self.per_param else self._queue_fold
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._params]
+
+    def gradients(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This step's summed gradient of each of `params`: its fp32 `main_grad`, or -- lazy, one
+        backward so far -- the gradient that backward produced (its own dtype; zeros for a param
+        it did not reach)."""
+        if self.data is not None:
+            return [p.main_grad for p in params]
+        stashed = {id(p): g for p, g in self._stash or ()}
+        return [stashed.get(id(p)) if id(p) in stashed else torch.zeros_like(p) for p in params]
 
     # ------------------------------------------------------------- grads
     def zero(self, num_micro_batches: int | None = None) -> None:
         """Start a step: zero the buffer (one fill); with overlap, expect `num_micro_batches`
         hook firings per param before its bucket may be reduced (None: reduce in `finish`)."""
         self._wait_grads()  # a reduction still in flight must not land in the new step
-        self.data.zero_()
+        self._stash = None
+        if self.data is not None:
+            self.data.zero_()
         self._fold_queued = False  # a backward that raised never ran its fold
         for bucket in self.buckets:
             bucket.launched, bucket.ready = False, 0
@@ -192,19 +219,28 @@ class GradBuffer:
             torch.autograd.Variable._execution_engine.queue_callback(self._fold)
 
     def _fold(self) -> None:
-        """End of a backward pass: main_grad += grad for every param that got one, then free it."""
+        """End of a backward pass: main_grad += grad for every param that got one, then free it.
+        Lazy: the step's first backward only sets its gradients aside (exact: 0 + g = g in fp32);
+        a second one allocates the buffer and folds both."""
         self._fold_queued = False
-        mains, grads = [], []
-        for p in self._params:
-            grad = p.grad
-            if grad is None:
-                continue
-            if not is_placeholder(grad):
-                mains.append(p.main_grad)
-                grads.append(grad)
+        arrived = [(p, p.grad) for p in self._params if p.grad is not None]
+        for p, _ in arrived:
             p.grad = None
-        if grads:
-            torch._foreach_add_(mains, grads)
+        if self.data is None and arrived:
+            if self._stash is None:
+                self._stash = arrived
+                return
+            self._allocate()
+            earlier, self._stash = self._stash, None
+            self._add(earlier)
+        self._add(arrived)
+
+    @staticmethod
+    def _add(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """main_grad += grad over (param, grad) pairs, one param at most once, in one foreach call."""
+        pairs = [(p.main_grad, g) for p, g in pairs if not is_placeholder(g)]
+        if pairs:
+            torch._foreach_add_([m for m, _ in pairs], [g for _, g in pairs])
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True

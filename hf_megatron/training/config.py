@@ -161,6 +161,12 @@ class TrainingConfig:
         False, group="speed", off_switch="--no-gradient-accumulation-fusion", help="accumulate each transformer-layer linear's weight gradient straight into its fp32 "
                                    "main grad inside the weight-gradient GEMM (parallel/wgrad.py); Megatron-LM has "
                                    "it on unless --no-gradient-accumulation-fusion, here off until measured")
+    use_precision_aware_optimizer: bool = option(
+        False, group="speed", help="step AdamW in hf_megatron's csrc kernel (training/fused_adamw.py): it reads bf16 "
+                                   "grads as they are and writes the bf16 weights in the same pass, with fp32 main "
+                                   "weights and moments as without it (Megatron-LM's flag runs Transformer Engine's "
+                                   "FusedAdam; its --main-grads-dtype / --exp-avg-dtype are not offered). CUDA only, "
+                                   "elsewhere torch's AdamW; off until measured on a GPU")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

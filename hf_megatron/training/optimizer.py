@@ -39,8 +39,10 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..parallel import pipeline, state
-from ..parallel.data_parallel import grad_of
 from ..parallel.grad_buffer import GradBuffer
+from ..parallel.wgrad import is_fused
+from ..kernels.adamw import sum_of_squares
+from . import fused_adamw
 from .megatron_optimizer_layout import (group_fields, hyper_parameters, inner_state, match_groups, megatron_groups,
                                         to_megatron)
 from .optimizer_state import MOMENTS, check_parameter_state, parameter_state_from
@@ -146,8 +148,10 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
-                 bucket_size: int | None = None, groups: list[dict] | None = None) -> None:
+                 bucket_size: int | None = None, groups: list[dict] | None = None,
+                 precision_aware: bool = False) -> None:
         self.chunks = list(chunks)
+        self.precision_aware = precision_aware  # step in csrc's AdamW where it can (training/fused_adamw.py)
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
         groups = param_groups(self.chunks, weight_decay) if groups is None else [  # caller's groups kept
@@ -158,11 +162,20 @@ class MixedPrecisionOptimizer:
         self.dp_group = state.get_state().group("dp")
         self.grad_buffer = GradBuffer(self.chunks, self.model_params, self.dp_group, bucket_size,
                                       overlap=overlap_grad_reduce, reduce_scatter=self.sharded,
-                                      shard_params=self.sharded, alone=pipeline.tied_embedding_params(self.chunks))
+                                      shard_params=self.sharded, alone=pipeline.tied_embedding_params(self.chunks),
+                                      lazy=self._lazy_grad_buffer())
         counted = {id(p) for c in self.chunks for n, p in c.named_parameters() if _counted_in_norm(c, n, p)}
         inner_groups = self._build_main_params(groups, counted)
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self.optimizer = make_adam(inner_groups, lr, betas, eps, device)
+
+    def _lazy_grad_buffer(self) -> bool:
+        """The fp32 grad buffer may wait for a step with a second backward (grad_buffer.py): one
+        process (nothing to reduce), no loss scale (unscaling must run on fp32 grads), no
+        gradient-accumulation fusion (its GEMMs write into main_grad) and not sharded."""
+        alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+        fused_wgrad = any(is_fused(m) for c in self.chunks for m in c.modules())
+        return alone and not self.scaler.active and not fused_wgrad and not self.sharded
 
     def _build_main_params(self, groups: list[dict], counted: set[int]) -> list[dict]:
         """fp32 main weights, one per param: the param itself when fp32, else a copy."""
@@ -187,8 +200,9 @@ class MixedPrecisionOptimizer:
         return self.scaler.scale
 
     def grads(self) -> list[torch.Tensor]:
-        """Every model param's accumulated gradient (fp32 `main_grad`)."""
-        return [grad_of(p) for p in self.model_params]
+        """Every model param's accumulated gradient: its fp32 `main_grad`, or the step's one
+        backward's gradient while the grad buffer is not allocated (grad_buffer.py, lazy)."""
+        return self.grad_buffer.gradients(self.model_params)
 
     def _main_grads(self) -> list[torch.Tensor]:
         """The gradients aligned with `main_params`."""
@@ -223,13 +237,19 @@ class MixedPrecisionOptimizer:
         it with the loss).  Otherwise the host decides as before and the result is the pair."""
         self.finish_grad_sync()
         grads = self._main_grads()
+        kernel = self.precision_aware and fused_adamw.usable(self.optimizer, self.main_params, grads,
+                                                             self._model_views)
+        if self.precision_aware and not kernel:
+            fused_adamw.warn_unusable()
+        if not kernel:
+            grads = self._widened(grads)
         if not self._fused_adamw(grads) or self.scaler.active:
-            return self._step_on_host(grads)
+            return self._step_on_host(grads, kernel)
         norm = self.grad_norm_tensor(grads)
         skipped = (~torch.isfinite(norm)).to(torch.float32)  # 0-d: AdamW subtracts it from each 0-d step count
         scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0) if self.clip_grad and self.clip_grad > 0 else None
         self._update(grads, grad_scale=None if scale is None else scale.to(torch.float32).reshape(1),
-                     found_inf=skipped)
+                     found_inf=skipped, kernel=kernel)
         return torch.stack([norm, skipped.double()])
 
     @staticmethod
@@ -245,7 +265,13 @@ class MixedPrecisionOptimizer:
         """torch's fused AdamW steps every group (its kernel takes grad_scale / found_inf tensors)."""
         return bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
 
-    def _step_on_host(self, grads) -> tuple[bool, float | None]:
+    def _widened(self, grads) -> list[torch.Tensor]:
+        """torch's AdamW (and the host path's in-place clip) needs grads of the main weights' dtype."""
+        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, self.main_params)]
+
+    def _step_on_host(self, grads, kernel: bool = False) -> tuple[bool, float | None]:
+        if not kernel:
+            grads = self._widened(grads)
         if self.scaler.active:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
             found_inf = self._unscale_and_check(grads)
@@ -264,12 +290,27 @@ class MixedPrecisionOptimizer:
         # torch's fused AdamW divides each gradient by `grad_scale` as it reads it (the hook
         # GradScaler uses): clipping costs no extra pass over the fp32 grads
         scale = torch.full((1,), 1.0 / coeff, dtype=torch.float32, device=grads[0].device) if in_kernel else None
-        self._update(grads, grad_scale=scale)
+        self._update(grads, grad_scale=scale, kernel=kernel)
         return True, norm
 
-    def _update(self, grads, grad_scale=None, found_inf=None) -> None:
+    def _update(self, grads, grad_scale=None, found_inf=None, kernel: bool = False) -> None:
         """AdamW on the main params with `grads` (fused kernel options `grad_scale` / `found_inf`),
-        then the cast back into the model params."""
+        then the cast back into the model params: in one pass by csrc's AdamW (`kernel`), else
+        torch's fused AdamW kernel called directly (training/fused_adamw.py) or torch's step, and
+        a fused copy."""
+        if kernel:
+            fused_adamw.step_(self.optimizer, self.main_params, grads, self._model_views, grad_scale, found_inf)
+            self._after_update()
+            return
+        if not fused_adamw.torch_step_(self.optimizer, self.main_params, grads, grad_scale, found_inf):
+            self._torch_step(grads, grad_scale, found_inf)
+        copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
+        if copies:
+            torch._foreach_copy_([v for v, _ in copies], [m for _, m in copies])  # cast back, fused
+        self._after_update()
+
+    def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:
+        """`optimizer.step()` with the grads set as the main params' `.grad` (and cleared after)."""
         for main, g in zip(self.main_params, grads):
             main.grad = g
         for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
@@ -280,12 +321,8 @@ class MixedPrecisionOptimizer:
         finally:
             self.optimizer.__dict__.pop("grad_scale", None)
             self.optimizer.__dict__.pop("found_inf", None)
-        copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
-        for main in self.main_params:
-            main.grad = None
-        if copies:
-            torch._foreach_copy_([v for v, _ in copies], [m for _, m in copies])  # cast back, fused
-        self._after_update()
+            for main in self.main_params:
+                main.grad = None
 
     def _after_update(self) -> None:
         """Hook for DistributedOptimizer (all-gather the updated params)."""
@@ -314,7 +351,9 @@ class MixedPrecisionOptimizer:
         counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g.numel()]
         device = grads[0].device if grads else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if counted and not self.sharded and len(counted) == len(self.model_params):
+        if counted and self.grad_buffer.data is None:  # lazy: the one backward's gradients, any dtype
+            total = sum_of_squares(counted, kernel=self.precision_aware).to(device)
+        elif counted and not self.sharded and len(counted) == len(self.model_params):
             # every grad counts (tp = pp = 1): one norm of the whole buffer, whose padding is
             # zero, instead of a norm per tensor stacked and summed
             total = torch.linalg.vector_norm(self.grad_buffer.data, dtype=torch.float64).pow(2)

@@ -1,0 +1,95 @@
+"""Python side of csrc/adamw.cu: AdamW over lists of fp32 main weights whose gradients may be
+bf16/fp16, and the fp64 sum of squares of a tensor list.
+
+Both kernels take a table of tensor addresses (one int64 row per tensor: main, grad, exp_avg,
+exp_avg_sq, model copy, step, numel), copied to the device with each launch because gradients
+move between steps, and a block list (tensor, chunk of `CHUNK` elements) that depends only on the
+sizes and is kept.  `adamw_` follows torch's fused AdamW step for step: the step counts are
+incremented before the update, the kernel skips everything when `found_inf` is 1, and the
+counts are decremented by `found_inf` after it.  `adamw_` has no fallback here: `supported` says
+whether a list can go to the kernel, and the caller keeps torch's AdamW for the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from .build import load_extension
+
+CHUNK = 65536  # csrc/adamw.cu kChunk
+_BLOCKS: dict[tuple, torch.Tensor] = {}  # (device, numels) -> int32 [blocks, 2]
+
+
+def supported(*tensor_lists) -> bool:
+    """Every tensor on one CUDA device, contiguous, and the extension built."""
+    tensors = [t for tensors in tensor_lists for t in tensors if t is not None]
+    if not tensors or not tensors[0].is_cuda:
+        return False
+    device = tensors[0].device
+    if not all(t.device == device and t.is_contiguous() for t in tensors):
+        return False
+    return load_extension() is not None
+
+
+def _blocks(device: torch.device, numels: tuple[int, ...]) -> torch.Tensor:
+    key = (device, numels)
+    blocks = _BLOCKS.get(key)
+    if blocks is None:
+        pairs = [(i, c) for i, n in enumerate(numels) for c in range(-(-n // CHUNK))]
+        blocks = torch.tensor(pairs, dtype=torch.int32).to(device)
+        _BLOCKS[key] = blocks
+    return blocks
+
+
+def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(rows, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else host.to(device)
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def sum_of_squares(tensors: list[torch.Tensor], kernel: bool = True) -> torch.Tensor:
+    """sum_i sum_j double(t_i[j])^2 as an fp64 0-d tensor on the tensors' device (no host sync), by
+    the csrc kernel where `kernel` and `supported`, else from torch's fp64 per-tensor norms."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    device = tensors[0].device
+    if not (kernel and supported(tensors)):
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().sum()
+    ext, total = load_extension(), torch.zeros((), dtype=torch.float64, device=device)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        table = _table([[0, t.data_ptr(), 0, 0, 0, 0, t.numel()] for t in same], device)
+        partial = ext.multi_tensor_sum_of_squares(table, _blocks(device, tuple(t.numel() for t in same)), same[0])
+        total = total + partial.sum()
+    return total
+
+
+@torch.no_grad()
+def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, beta1: float, beta2: float,
+           eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
+           found_inf: torch.Tensor | None = None) -> None:
+    """One AdamW step of every main weight (fp32) with its gradient (any float dtype), moments and
+    0-d fp32 step count, writing the updated weight into `models[i]` too where it is not None
+    (see csrc/adamw.cu for the formula).  Call only where `supported(...)` holds."""
+    if not mains:
+        return
+    ext, device = load_extension(), mains[0].device
+    torch._foreach_add_(steps, 1.0)
+    kinds: dict[tuple, list[int]] = {}
+    for i, (g, model) in enumerate(zip(grads, models)):
+        kinds.setdefault((g.dtype, None if model is None else model.dtype), []).append(i)
+    for (grad_dtype, model_dtype), members in kinds.items():
+        members = [i for i in members if mains[i].numel()]
+        if not members:
+            continue
+        rows = [[mains[i].data_ptr(), grads[i].data_ptr(), exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                 _ptr(models[i]), steps[i].data_ptr(), mains[i].numel()] for i in members]
+        blocks = _blocks(device, tuple(mains[i].numel() for i in members))
+        model_like = None if model_dtype is None else models[members[0]]
+        ext.multi_tensor_adamw(_table(rows, device), blocks, grads[members[0]], model_like, float(lr), float(beta1),
+                               float(beta2), float(eps), float(weight_decay), grad_scale, found_inf)
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf] * len(steps))

@@ -1,0 +1,106 @@
+"""The mixed-precision optimizer's AdamW step through csrc/adamw.cu, on a torch.optim.AdamW's state.
+
+torch's fused AdamW needs gradients of the main weights' dtype (fp32), and casting the updated
+main weights back into the bf16 model is a second pass over them.  The csrc kernel reads bf16
+gradients as they are and writes the bf16 copy in the same pass, with torch's fused AdamW's
+arithmetic.  The state stays torch's -- `optimizer.state[main]` = {step: 0-d fp32 on the device,
+exp_avg, exp_avg_sq}, created here as torch's fused AdamW creates it on its first step -- so
+checkpoints, `load_state_dict` and a later step by torch itself see no difference.
+
+Used when every group is plain AdamW (no amsgrad, maximize, capturable or differentiable; lr a
+number), fused (the state layout above) and every tensor is contiguous on one CUDA device with the
+extension built (`usable`); otherwise the caller runs torch's step.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ..kernels import adamw as kernel
+
+
+def _plain(group: dict) -> bool:
+    return (group.get("fused") and not group.get("amsgrad") and not group.get("maximize")
+            and not group.get("capturable") and not group.get("differentiable")
+            and group.get("decoupled_weight_decay", True) and not isinstance(group["lr"], torch.Tensor))
+
+
+def plain_fused(optimizer) -> bool:
+    """A torch.optim.AdamW(fused=True) of plain AdamW groups: its step is `torch._fused_adamw_` per group."""
+    return isinstance(optimizer, torch.optim.AdamW) and all(_plain(g) for g in optimizer.param_groups)
+
+
+def usable(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list) -> bool:
+    """Whether `step_` can run this optimizer's step in the csrc kernel."""
+    return plain_fused(optimizer) and kernel.supported(mains, grads, [m for m in models if m is not None])
+
+
+_warned = False
+
+
+def warn_unusable() -> None:
+    """Once per process: --use-precision-aware-optimizer asked for the kernel, torch's AdamW steps."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn("--use-precision-aware-optimizer: csrc's AdamW needs CUDA tensors, the built extension "
+                      "(hf_megatron/kernels/build.py) and plain fused AdamW groups; stepping with torch's AdamW",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _state(optimizer, main: torch.Tensor) -> dict:
+    state = optimizer.state[main]
+    if not state:  # torch's fused AdamW's first-step state
+        state["step"] = torch.zeros((), dtype=torch.float32, device=main.device)
+        state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+    return state
+
+
+def _groups(optimizer, mains: list[torch.Tensor]):
+    """Per param group: (indices into mains, their states, the group)."""
+    index = {id(m): i for i, m in enumerate(mains)}
+    for group in optimizer.param_groups:
+        members = [index[id(p)] for p in group["params"]]
+        yield members, [_state(optimizer, mains[i]) for i in members], group
+
+
+def step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list,
+          grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+    """AdamW on `mains` (the optimizer's params, aligned with `grads`; `models[i]` the low-precision
+    model tensor to overwrite with mains[i], or None) in the csrc kernel, where `usable` said so."""
+    for members, states, group in _groups(optimizer, mains):
+        beta1, beta2 = group["betas"]
+        kernel.adamw_([mains[i] for i in members], [grads[i] for i in members], [s["exp_avg"] for s in states],
+                      [s["exp_avg_sq"] for s in states], [models[i] for i in members], [s["step"] for s in states],
+                      lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                      weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+
+
+def torch_step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor],
+                grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> bool:
+    """torch's own fused AdamW kernel on `mains` with `grads` (same dtype and device as their
+    mains), called as `optimizer.step()` calls it -- steps += 1, `torch._fused_adamw_` per group,
+    steps -= found_inf -- without setting and clearing every `.grad` and without the step's
+    per-call grouping: the same numbers, less host time.  False (nothing done) where the
+    optimizer is not `plain_fused` or a list does not fit one kernel call."""
+    if not plain_fused(optimizer) or not mains:
+        return False
+    device, dtype = mains[0].device, mains[0].dtype
+    if not all(m.device == device and m.dtype == dtype for m in mains) or not all(
+            g.device == device and g.dtype == dtype for g in grads):
+        return False
+    for members, states, group in _groups(optimizer, mains):
+        if not members:
+            continue
+        beta1, beta2 = group["betas"]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_([mains[i] for i in members], [grads[i] for i in members], [s["exp_avg"] for s in states],
+                            [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=group["lr"],
+                            beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"],
+                            eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=found_inf)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+    return True
