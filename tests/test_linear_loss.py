@@ -23,14 +23,18 @@ def _reference(arch):
     return out.loss, grads
 
 
-def _fused_run(arch, sequence_parallel=False):
+def _fused_run(arch, sequence_parallel=False, fns=None, dtype=None):
     import hf_megatron
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel.linear_loss import FusedLinearLoss, apply_fused_linear_loss
     from hf_megatron.training.trainer import sync_sequence_parallel_grads
     model = hf_megatron.from_pretrained(tiny_hf_model(arch), sequence_parallel=sequence_parallel)
+    if dtype is not None:
+        model.to(dtype)
     apply_fused_linear_loss(model, chunk_bytes=CHUNK_BYTES)
     assert isinstance(model.vocab_loss, FusedLinearLoss)
+    if fns is not None:  # the chunk functions a compiled model runs (linear_loss.COMPILED), here eager
+        model.vocab_loss.fns = fns
     ids, labels = _batch()
     out = model(ids, targets=shift_labels(labels), return_logits=False)
     assert out.logits is None
@@ -48,6 +52,29 @@ def test_fused_linear_loss_matches_transformers(arch):
     assert set(ours) == set(ref_grads)
     for name, grad in ref_grads.items():
         assert rel_err(ours[name], grad) <= TOL, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_compiled_chunk_passes_match_transformers(arch):
+    """linear_loss.COMPILED (the pure per-chunk functions torch.compile fuses) give transformers'
+    loss and gradients too, padded vocabulary and ignored targets included."""
+    from hf_megatron.parallel.linear_loss import COMPILED
+    ref_loss, ref_grads = _reference(arch)
+    loss, grads, config = _fused_run(arch, fns=COMPILED)
+    assert abs(loss.item() - ref_loss.item()) <= TOL * ref_loss.item()
+    ours = hf_grads_from_mcore(merge_shards([grads], config), config)
+    for name, grad in ref_grads.items():
+        assert rel_err(ours[name], grad) <= TOL, name
+
+
+def test_compiled_chunk_passes_equal_eager_ones_in_bf16():
+    """In bf16 the two function sets compute the same fp32 values in the same order: bit-equal loss
+    and gradients (eager execution of both)."""
+    from hf_megatron.parallel.linear_loss import COMPILED, EAGER
+    loss_e, grads_e, _ = _fused_run("llama", fns=EAGER, dtype=torch.bfloat16)
+    loss_c, grads_c, _ = _fused_run("llama", fns=COMPILED, dtype=torch.bfloat16)
+    assert torch.equal(loss_e, loss_c)
+    assert grads_e.keys() == grads_c.keys() and all(torch.equal(grads_e[k], grads_c[k]) for k in grads_e)
 
 
 def test_fused_linear_loss_untied_output_weight():
