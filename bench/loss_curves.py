@@ -18,6 +18,7 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     all                          the three together (bench/throughput.py's ours-float8)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
                                  (Megatron-LM's name); otherwise the row says it is absent
+    use-precision-aware-optimizer  --use-precision-aware-optimizer (csrc/adamw.cu steps AdamW)
 
 Data (`--data`): "text" (default) is real text: the Python standard library's own .py sources
 (docstrings, comments and code; files in sorted order from `sysconfig`'s stdlib folder) split into
@@ -63,6 +64,7 @@ OPTIONS = {
     "fp8 first-last-layers-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
+    "use-precision-aware-optimizer": {"use_precision_aware_optimizer": True},
 }
 WORD = re.compile(r"\w+|[^\w\s]")
 

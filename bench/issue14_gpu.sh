@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 14 on one H200, in device calls of <= 600 s each (run from the repo root by the device tool,
+# after installing the carried wheels into /tmp/site):
+#   STAGE=tests   bash bench/issue14_gpu.sh   # build csrc/, every GPU test of the step changes (~2 min)
+#   STAGE=speed   bash bench/issue14_gpu.sh   # throughput: each new option beside its anchor (~8 min)
+#   STAGE=curves  bash bench/issue14_gpu.sh   # 20-step loss curves of the 1.2B (~7 min)
+# Results land in $OUT (JSON + logs); the last lines printed are the tables.
+set -u
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/issue14}; mkdir -p "$OUT"
+STAGE=${STAGE:-tests}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import time; t = time.time(); from hf_megatron import kernels; assert kernels.load_extension() is not None; print(f'csrc built in {time.time() - t:.0f} s')"
+
+case "$STAGE" in
+tests)
+  # the optimizer step (csrc/adamw.cu, lazy buffer), the fused loss, kernels, wgrad fusion, float8
+  python3 -m pytest -q -p no:cacheprovider -rfE tests/test_adamw_kernel_gpu.py tests/test_optimizer_clip_in_kernel.py \
+    tests/test_fused_adamw_step.py tests/test_grad_buffer_fold.py tests/test_linear_loss.py tests/test_kernels_gpu.py \
+    tests/test_wgrad_fusion_gpu.py tests/test_float8.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  ;;
+speed)
+  # lazy buffer vs its anchor, the csrc AdamW, the compiled fused loss (memory row), transformers' best
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
+    ours-compile-full-buffer ours-compile ours-precision-aware ours-fused-ce 2>&1 | tail -9
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
+    ours-compile-full-buffer ours-compile ours-precision-aware 2>&1 | tail -7
+  ;;
+curves)
+  # the chaotic definition of sessions 4-5 (lr 3e-4 from step 2) and a smoother one (lr 1e-4 after 5 warm-up steps)
+  python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_1e-4.json" \
+    --options default "default (again)" "fp8-format hybrid" cross-entropy-loss-fusion \
+    use-precision-aware-optimizer 2>&1 | tail -12
+  python3 bench/loss_curves.py --out "$OUT/curves_3e-4.json" --options default "fp8-format hybrid" 2>&1 | tail -6
+  ;;
+esac
