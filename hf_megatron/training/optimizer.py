@@ -266,8 +266,19 @@ class MixedPrecisionOptimizer:
         return bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
 
     def _widened(self, grads) -> list[torch.Tensor]:
-        """torch's AdamW (and the host path's in-place clip) needs grads of the main weights' dtype."""
-        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(grads, self.main_params)]
+        """torch's AdamW (and the host path's in-place clip) needs grads of the main weights' dtype:
+        the lazy buffer's bf16 grads are copied into views of one fresh fp32 tensor by one
+        `_foreach_copy_` (a multi-tensor kernel on CUDA, not a cast per param), freed after the step."""
+        low = [i for i, (g, m) in enumerate(zip(grads, self.main_params)) if g.dtype != m.dtype]
+        if not low:
+            return grads
+        flat = torch.empty(sum(grads[i].numel() for i in low), dtype=torch.float32, device=grads[low[0]].device)
+        views, at = list(grads), 0
+        for i in low:
+            views[i] = flat[at:at + grads[i].numel()].view(grads[i].shape)
+            at += grads[i].numel()
+        torch._foreach_copy_([views[i] for i in low], [grads[i] for i in low])
+        return views
 
     def _step_on_host(self, grads, kernel: bool = False) -> tuple[bool, float | None]:
         if not kernel:
