@@ -3,8 +3,9 @@ path (GPU only; skipped without CUDA).
 
 Reference: torch.optim.AdamW(fused=True) stepping fp32 copies of the same weights with the same
 grads widened to fp32 (the fp32 main grads of one backward are exactly that).  The kernel uses the
-reference kernel's scalar types and order of operations; tolerance 1 fp32 ulp (rtol 2^-23 x 2)
-for a compiler contracting an expression differently, and the bf16 model copy must equal the
+reference kernel's scalar types and order of operations; tolerance 2 fp32 ulp (rtol 2^-22, and
+atol 1e-6 for weights that the update brought near zero) for a compiler contracting an expression
+differently, and the bf16 model copy must equal the
 updated main weight rounded to bf16 bit for bit.  Sizes: empty, odd, one chunk + 1, a view at an
 odd offset (the unaligned path), several chunks."""
 import pytest
@@ -19,7 +20,7 @@ from hf_megatron.training.optimizer import MixedPrecisionOptimizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SIZES = [0, 1, 3, 4, 4097, kernel.CHUNK + 1, 3 * kernel.CHUNK + 8]
-RTOL = 2.0 ** -22
+RTOL, ATOL = 2.0 ** -22, 1e-6  # 2 ulp; near zero, 1e-6 = a few ulp of the O(1) weight before the update
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,11 +58,11 @@ def test_kernel_steps_like_torch_fused_adamw(grad_dtype, unaligned, clip):
         ref.grad_scale, ref.found_inf = scale, found
         ref.step()
         for mine, theirs, model in zip(mains, ref_params, models):
-            torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=0)
+            torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
             assert torch.equal(model, mine.to(torch.bfloat16))
         for mine, theirs in zip(mains, ref_params):
             for key in ("exp_avg", "exp_avg_sq"):
-                torch.testing.assert_close(opt.state[mine][key], ref.state[theirs][key], rtol=RTOL, atol=0)
+                torch.testing.assert_close(opt.state[mine][key], ref.state[theirs][key], rtol=RTOL, atol=1e-12)
             assert opt.state[mine]["step"].item() == step + 1 and opt.state[mine]["step"].is_cuda
 
 
@@ -107,7 +108,8 @@ def _train(path: str, monkeypatch, micro_batches: int):
             norms.append(norm)
     allocated = opt.grad_buffer.data is not None
     state.reset()
-    return norms, [p.detach().clone() for p in model.parameters()], [m.detach().clone() for m in opt.main_params], allocated
+    models = [p.detach().clone() for p in opt.model_params]  # aligned with main_params (group order)
+    return norms, models, [m.detach().clone() for m in opt.main_params], allocated
 
 
 @pytest.mark.parametrize("path", ["kernel", "lazy"])
@@ -121,6 +123,6 @@ def test_optimizer_paths_equal_the_fp32_buffer_and_torch_adamw(monkeypatch, path
     assert allocated == (micro_batches > 1)
     assert norms_k == pytest.approx(norms_t, rel=1e-12)
     for a, b in zip(main_k, main_t):
-        torch.testing.assert_close(a, b, rtol=RTOL, atol=0)
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     for p, m in zip(model_k, main_k):
         assert torch.equal(p, m.to(p.dtype))
