@@ -10,6 +10,10 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     default                      nothing else
     default (again)              the same run repeated: the run-to-run noise floor (non-deterministic
                                  GPU kernels, e.g. atomics in the attention and embedding backward)
+    default (perturbed init)     the default with every initial weight w replaced by w (1 + 1e-3 z),
+                                 z ~ N(0, 1) (seed 0): how far the bf16 curve itself moves when its
+                                 start moves by about what float8's first step does (its step-1 loss
+                                 differed by 4e-4 in session 5) -- the floor a per-step bound can see
     torch-compile                --torch-compile (each layer and the loss compiled)
     cross-entropy-loss-fusion    --cross-entropy-loss-fusion (output layer + loss in chunks)
     fp8-format hybrid            --fp8-format hybrid --fp8-recipe tensorwise (torchao float8 linears)
@@ -57,6 +61,7 @@ BASE = dict(bf16=True, clip_grad=1.0, weight_decay=0.01, lr_warmup_iters=2, lr_d
 OPTIONS = {
     "default": {},
     "default (again)": {},
+    "default (perturbed init)": {"_perturb": 1e-3},
     "torch-compile": {"torch_compile": True},
     "cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": True},
     "fp8-format hybrid": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise"},
@@ -94,8 +99,20 @@ def batches(spec, steps: int, data: str, device: str) -> list[dict]:
     return [{"input_ids": w[:, :-1].contiguous(), "targets": w[:, 1:].contiguous()} for w in windows]
 
 
+def perturbed(model: torch.nn.Module, relative: float) -> torch.nn.Module:
+    """Every weight w -> w (1 + relative z), z ~ N(0, 1) from a fixed seed, in place."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 + relative * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+    return model
+
+
 def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, warmup: int = 2) -> list[float]:
-    """The step losses of one option (raises ConfigError where the option cannot run here)."""
+    """The step losses of one option (raises ConfigError where the option cannot run here); a
+    field "_perturb" perturbs the initial weights (see `perturbed`) instead of configuring."""
+    fields = dict(fields)
+    perturb = fields.pop("_perturb", None)
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     from hf_megatron.training.trainer import build_scheduler
@@ -104,6 +121,8 @@ def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, war
     setup_parallel(cfg)
     try:
         source = throughput.hf_model(spec, device)  # seeded: the same initial weights for every option
+        if perturb:
+            perturbed(source, perturb)
         chunks = build_model(source, cfg, device=device)
         del source
         optimizer = build_optimizer(chunks, cfg)
@@ -121,7 +140,7 @@ def measure(spec, args) -> dict[str, dict]:
     results = {}
     for name in args.options:
         fields = OPTIONS[name]
-        missing = sorted(set(fields) - fields_known)
+        missing = sorted(set(fields) - fields_known - {"_perturb"})
         if missing:
             results[name] = {"skipped": f"TrainingConfig has no field {', '.join(missing)} on this branch"}
         else:
