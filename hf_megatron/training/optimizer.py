@@ -241,11 +241,12 @@ class MixedPrecisionOptimizer:
                                                              self._model_views)
         if self.precision_aware and not kernel:
             fused_adamw.warn_unusable()
+        flat = None
         if not kernel:
-            grads = self._widened(grads)
+            grads, flat = self._widened(grads)
         if not self._fused_adamw(grads) or self.scaler.active:
-            return self._step_on_host(grads, kernel)
-        norm = self.grad_norm_tensor(grads)
+            return self._step_on_host(grads, kernel, flat)
+        norm = self.grad_norm_tensor(grads, flat)
         skipped = (~torch.isfinite(norm)).to(torch.float32)  # 0-d: AdamW subtracts it from each 0-d step count
         scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0) if self.clip_grad and self.clip_grad > 0 else None
         self._update(grads, grad_scale=None if scale is None else scale.to(torch.float32).reshape(1),
@@ -265,31 +266,32 @@ class MixedPrecisionOptimizer:
         """torch's fused AdamW steps every group (its kernel takes grad_scale / found_inf tensors)."""
         return bool(grads) and all(g.get("fused") for g in self.optimizer.param_groups)
 
-    def _widened(self, grads) -> list[torch.Tensor]:
+    def _widened(self, grads) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """torch's AdamW (and the host path's in-place clip) needs grads of the main weights' dtype:
         the lazy buffer's bf16 grads are copied into views of one fresh fp32 tensor by one
-        `_foreach_copy_` (a multi-tensor kernel on CUDA, not a cast per param), freed after the step."""
+        `_foreach_copy_` (a multi-tensor kernel on CUDA, not a cast per param), freed after the step.
+        Returns the grads and that tensor where it holds all of them (else None)."""
         low = [i for i, (g, m) in enumerate(zip(grads, self.main_params)) if g.dtype != m.dtype]
         if not low:
-            return grads
+            return grads, None
         flat = torch.empty(sum(grads[i].numel() for i in low), dtype=torch.float32, device=grads[low[0]].device)
         views, at = list(grads), 0
         for i in low:
             views[i] = flat[at:at + grads[i].numel()].view(grads[i].shape)
             at += grads[i].numel()
         torch._foreach_copy_([views[i] for i in low], [grads[i] for i in low])
-        return views
+        return views, flat if len(low) == len(grads) else None
 
-    def _step_on_host(self, grads, kernel: bool = False) -> tuple[bool, float | None]:
-        if not kernel:
-            grads = self._widened(grads)
+    def _step_on_host(self, grads, kernel: bool = False, flat=None) -> tuple[bool, float | None]:
+        if not kernel and flat is None:
+            grads, flat = self._widened(grads)
         if self.scaler.active:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
             found_inf = self._unscale_and_check(grads)
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None
-        norm = self.grad_norm(grads)
+        norm = self.grad_norm(grads, flat)
         if not math.isfinite(norm):
             # bf16 / fp32 (no scaler): a non-finite gradient shows in the global norm, which is
             # all-reduced over the model-parallel group and equal on dp ranks (grads are summed)
@@ -353,21 +355,24 @@ class MixedPrecisionOptimizer:
         """Groups over which the squared norm is summed (dp ranks hold identical full grads)."""
         return [state.get_state().group("mp")]
 
-    def grad_norm(self, grads=None) -> float:
-        return float(self.grad_norm_tensor(grads))
+    def grad_norm(self, grads=None, flat=None) -> float:
+        return float(self.grad_norm_tensor(grads, flat))
 
-    def grad_norm_tensor(self, grads=None) -> torch.Tensor:
-        """The global gradient norm as an fp64 0-d tensor on the grads' device (no host sync)."""
+    def grad_norm_tensor(self, grads=None, flat=None) -> torch.Tensor:
+        """The global gradient norm as an fp64 0-d tensor on the grads' device (no host sync);
+        `flat`: one tensor holding exactly `grads` (the lazy buffer's widened grads), if any."""
         grads = self._main_grads() if grads is None else grads
         counted = [g for g, keep in zip(grads, self.norm_mask) if keep and g.numel()]
         device = grads[0].device if grads else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if counted and self.grad_buffer.data is None:  # lazy: the one backward's gradients, any dtype
+        every = counted and not self.sharded and len(counted) == len(self.model_params)
+        whole = self.grad_buffer.data if self.grad_buffer.data is not None else flat
+        if every and whole is not None:
+            # every grad counts (tp = pp = 1): one norm of the whole buffer (its padding is zero) or
+            # of the widened grads, instead of a norm per tensor stacked and summed
+            total = torch.linalg.vector_norm(whole, dtype=torch.float64).pow(2)
+        elif counted and self.grad_buffer.data is None:  # lazy: the one backward's gradients, any dtype
             total = sum_of_squares(counted, kernel=self.precision_aware).to(device)
-        elif counted and not self.sharded and len(counted) == len(self.model_params):
-            # every grad counts (tp = pp = 1): one norm of the whole buffer, whose padding is
-            # zero, instead of a norm per tensor stacked and summed
-            total = torch.linalg.vector_norm(self.grad_buffer.data, dtype=torch.float64).pow(2)
         elif counted:
             total = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         for group in self._norm_groups():
