@@ -3,9 +3,15 @@
 Precision.  Model params may be bf16/fp16/fp32.  Each param gets
   * `p.main_grad`: an fp32 view into one contiguous grad buffer (parallel/grad_buffer.py); a
     post-accumulate-grad hook adds every micro batch's gradient into it and frees `p.grad`, so
-    accumulation over micro batches is in fp32 and the dp sum runs on a few flat buckets;
+    accumulation over micro batches is in fp32 and the dp sum runs on a few flat buckets (on one
+    process, until a step has a second backward, the buffer is not allocated and the one
+    backward's gradients stand for it, `_lazy_grad_buffer`: the same fp32 values once widened);
   * for bf16/fp16 params an fp32 *main* copy that the optimizer updates, cast back into p after
     the step; fp32 params are their own main params.
+
+The update: torch's fused AdamW kernel, called directly (training/fused_adamw.py), or -- with
+`precision_aware` (--use-precision-aware-optimizer) on CUDA -- csrc's AdamW, which reads bf16
+grads as they are and writes the bf16 copy in the same pass; torch's `step()` otherwise.
 
 Loss scaling (fp16).  The loss is multiplied by S before backward; after the grad reductions the
 main grads are multiplied by 1/S.  If any grad on any rank is inf/nan the step is skipped; after
