@@ -5,6 +5,7 @@
 #                                             # lr-3e-4 loss curves with their perturbed-init floor (~5 min)
 #   STAGE=speed   bash bench/issue14_gpu.sh   # throughput: each new option beside its anchor (~8 min)
 #   STAGE=curves  bash bench/issue14_gpu.sh   # 20-step loss curves of the 1.2B at lr 1e-4 (~5 min)
+#   STAGE=3b      bash bench/issue14_gpu.sh   # the float8 row's 3B (seq 4096) beside transformers + compile (~4 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -35,5 +36,9 @@ curves)
   python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_1e-4.json" \
     --options default "default (again)" "default (perturbed init)" "fp8-format hybrid" cross-entropy-loss-fusion \
     use-precision-aware-optimizer 2>&1 | tail -4
+  ;;
+3b)
+  python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \
+    ours-compile ours-float8 2>&1 | tail -6
   ;;
 esac
