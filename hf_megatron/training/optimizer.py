@@ -280,11 +280,11 @@ class MixedPrecisionOptimizer:
         low = [i for i, (g, m) in enumerate(zip(grads, self.main_params)) if g.dtype != m.dtype]
         if not low:
             return grads, None
-        flat = torch.empty(sum(grads[i].numel() for i in low), dtype=torch.float32, device=grads[low[0]].device)
-        views, at = list(grads), 0
-        for i in low:
-            views[i] = flat[at:at + grads[i].numel()].view(grads[i].shape)
-            at += grads[i].numel()
+        numels = [grads[i].numel() for i in low]
+        flat = torch.empty(sum(numels), dtype=torch.float32, device=grads[low[0]].device)
+        views = list(grads)
+        for i, piece in zip(low, torch.split(flat, numels)):
+            views[i] = piece.view(grads[i].shape)
         torch._foreach_copy_([views[i] for i in low], [grads[i] for i in low])
         return views, flat if len(low) == len(grads) else None
 
@@ -323,10 +323,18 @@ class MixedPrecisionOptimizer:
             return
         if not fused_adamw.torch_step_(self.optimizer, self.main_params, grads, grad_scale, found_inf):
             self._torch_step(grads, grad_scale, found_inf)
-        copies = [(view, main) for main, view in zip(self.main_params, self._model_views) if view is not None]
-        if copies:
-            torch._foreach_copy_([v for v, _ in copies], [m for _, m in copies])  # cast back, fused
+        views, mains = self._cast_back_lists()
+        if views:
+            torch._foreach_copy_(views, mains)  # cast back, fused
         self._after_update()
+
+    def _cast_back_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(model views, their main params) of the low-precision params; fixed after __init__
+        (checkpoint loads copy into these tensors), so built once."""
+        if getattr(self, "_cast_back", None) is None:
+            halves = self._halves()
+            self._cast_back = ([v for _, v in halves], [m for m, _ in halves])
+        return self._cast_back
 
     def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:
         """`optimizer.step()` with the grads set as the main params' `.grad` (and cleared after)."""
