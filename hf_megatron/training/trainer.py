@@ -39,7 +39,8 @@ from ..parallel.data_parallel import allreduce_tensors, grad_of, micro_batches_f
 from ..parallel.random import model_parallel_seed
 from .config import TrainingConfig  # noqa: F401  (re-exported: code imports it from here)
 from .distributed_optimizer import DistributedOptimizer
-from .optimizer import LossScaler, MixedPrecisionOptimizer
+from .loss_scaler import LossScaler
+from .optimizer import MixedPrecisionOptimizer
 from .schedules import LRScheduler
 
 
