@@ -22,7 +22,7 @@ tests)
     tests/test_wgrad_fusion_gpu.py tests/test_float8.py 2>&1 | tee "$OUT/tests.log" | tail -25
   # sessions 4-5's definition (lr 3e-4 from step 2): does float8 depart more than a perturbed bf16 start?
   python3 bench/loss_curves.py --out "$OUT/curves_3e-4.json" --options default "default (perturbed init)" \
-    "fp8-format hybrid" 2>&1 | tail -4
+    "fp8-format hybrid" "fp8-recipe rowwise_with_gw_hp" 2>&1 | tail -4
   ;;
 speed)
   # lazy buffer vs its anchor, the csrc AdamW, the compiled fused loss (memory row), transformers' best

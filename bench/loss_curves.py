@@ -18,6 +18,8 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     cross-entropy-loss-fusion    --cross-entropy-loss-fusion (output layer + loss in chunks)
     fp8-format hybrid            --fp8-format hybrid --fp8-recipe tensorwise (torchao float8 linears)
     fp8-recipe rowwise           --fp8-format e4m3 --fp8-recipe rowwise (a scale per row)
+    fp8-recipe rowwise_with_gw_hp  --fp8-format e4m3 --fp8-recipe rowwise_with_gw_hp (rowwise, the
+                                 weight-gradient GEMM in bf16)
     fp8 first-last-layers-bf16   fp8-format hybrid, --first-last-layers-bf16 (first and last layer in bf16)
     all                          the three together (bench/throughput.py's ours-float8)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
@@ -66,6 +68,7 @@ OPTIONS = {
     "cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": True},
     "fp8-format hybrid": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise"},
     "fp8-recipe rowwise": {"fp8_format": "e4m3", "fp8_recipe": "rowwise"},
+    "fp8-recipe rowwise_with_gw_hp": {"fp8_format": "e4m3", "fp8_recipe": "rowwise_with_gw_hp"},
     "fp8 first-last-layers-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},

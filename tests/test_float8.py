@@ -42,6 +42,8 @@ def test_fp8_flags_parse_with_megatron_names():
     assert (cfg.fp8_format, cfg.fp8_recipe) == ("hybrid", "tensorwise")
     cfg = _parse("--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise")
     assert (cfg.fp8_format, cfg.fp8_recipe) == ("e4m3", "rowwise")
+    cfg = _parse("--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "rowwise_with_gw_hp")
+    assert (cfg.fp8_format, cfg.fp8_recipe) == ("e4m3", "rowwise_with_gw_hp")
     # accelerate's other_megatron_args reach the same fields
     assert TrainingConfig.from_dict({"bf16": True, "fp8_format": "e4m3"}).fp8_format == "e4m3"
     assert TrainingConfig.from_dict({"bf16": True, "fp8": "hybrid"}).fp8_format == "hybrid"  # Megatron's args.fp8
@@ -79,6 +81,7 @@ def test_first_last_layers_bf16_selects_those_layers_linears():
     (["--fp16", "--fp8-format", "e4m3"], "expected --bf16 as well (float8 linears keep bf16 weights), got --fp16"),
     (["--bf16", "--fp8-format", "hybrid", "--tensor-model-parallel-size", "2"], "expected --tensor-model-parallel"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise"], "use --fp8-format e4m3 with it"),
+    (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "rowwise_with_gw_hp"], "use --fp8-format e4m3 with it"),
     (["--bf16", "--fp8-format", "e5m2"], "(--fp8-format): expected one of e4m3, hybrid, got 'e5m2'"),
     (["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "delayed"], "expected one of tensorwise, rowwise"),
     (["--bf16", "--first-last-layers-bf16"], "(--first-last-layers-bf16): expected --fp8-format as well"),
@@ -103,6 +106,18 @@ def test_fp8_flags_map_onto_torchao_casts(fp8_format, recipe, grad_dtype, granul
         assert cast.target_dtype == torch.float8_e4m3fn and cast.scaling_granularity.name == granularity
     for cast in (config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight):
         assert cast.target_dtype == getattr(torch, grad_dtype) and cast.scaling_granularity.name == granularity
+
+
+def test_rowwise_with_gw_hp_keeps_the_weight_gradient_gemm_in_high_precision():
+    """torchao's recipe: rowwise e4m3 casts for the output and input-gradient GEMMs, none (bf16)
+    for the operands of dW = G^T X."""
+    pytest.importorskip("torchao")
+    from hf_megatron.parallel.float8 import torchao_config
+    config = torchao_config("e4m3", "rowwise_with_gw_hp")
+    for cast in (config.cast_config_input, config.cast_config_weight, config.cast_config_grad_output):
+        assert cast.target_dtype == torch.float8_e4m3fn and cast.scaling_granularity.name == "AXISWISE"
+    for cast in (config.cast_config_input_for_grad_weight, config.cast_config_grad_output_for_grad_weight):
+        assert cast.scaling_type.name == "DISABLED"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -17,6 +17,9 @@ are untouched.  Megatron-LM's flags, mapped onto what torchao does:
   --fp8-recipe rowwise      one scale per row of each operand (CUTLASS rowwise kernel, scales
                             rounded down to powers of two); torchao casts G to e4m3 here, so only
                             with --fp8-format e4m3
+  --fp8-recipe rowwise_with_gw_hp   rowwise, but the weight-gradient GEMM (dW = G^T X) stays in bf16
+                            (torchao's and torchtitan's name; e4m3 only): the GEMM whose float8
+                            rounding the optimizer sees directly is exact
 Megatron-LM's `delayed`, `mxfp8` and `blockwise` recipes are Transformer Engine's; torchao has none
 of them.
 
@@ -39,7 +42,7 @@ from ..errors import ConfigError
 from . import comm
 
 FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "rowwise")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def check_fp8_choice(fp8_format: str, recipe: str) -> None:
@@ -47,8 +50,8 @@ def check_fp8_choice(fp8_format: str, recipe: str) -> None:
     if fp8_format not in FP8_FORMATS or recipe not in FP8_RECIPES:
         raise ConfigError(f"--fp8-format / --fp8-recipe: expected a format in {FP8_FORMATS} and a recipe in "
                           f"{FP8_RECIPES}, got {fp8_format!r} / {recipe!r}")
-    if recipe == "rowwise" and fp8_format == "hybrid":
-        raise ConfigError("--fp8-recipe rowwise: torchao's rowwise recipe casts gradients to e4m3 as well; use "
+    if recipe.startswith("rowwise") and fp8_format == "hybrid":
+        raise ConfigError(f"--fp8-recipe {recipe}: torchao's rowwise recipes cast gradients to e4m3 as well; use "
                           "--fp8-format e4m3 with it (hybrid e5m2 gradients need --fp8-recipe tensorwise)")
 
 

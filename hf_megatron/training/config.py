@@ -149,6 +149,7 @@ class TrainingConfig:
     fp8_recipe: str = option(
         "tensorwise", group="speed", choices=FP8_RECIPES,
         help="with --fp8-format: tensorwise = one dynamic scale per tensor; rowwise = one per row (e4m3 only); "
+             "rowwise_with_gw_hp = rowwise with the weight-gradient GEMM in bf16 (torchao's recipe, e4m3 only); "
              "Megatron-LM's delayed / mxfp8 / blockwise are Transformer Engine recipes torchao does not have")
     first_last_layers_bf16: bool = option(
         False, group="speed", help="with --fp8-format: keep the first and last transformer layers' linears in bf16 "
