@@ -12,7 +12,8 @@ exp_avg, exp_avg_sq) is moved exactly as the weights are:
     X_target     = split_tensor(name, X_full, config, tp)[target tp rank]   (padding rows: 0)
 
 (QKV per query group, SwiGLU [gate_r; up_r], vocab rows, row/column dims: parallel/sharding.py;
-a last stage's copy of tied embeddings takes the embedding's state, as its weight does).
+a last stage's copy of tied embeddings takes the embedding's state, as its weight does:
+tied_embedding.source_name).
 Adam is elementwise, so moments split like their weights resume the same steps.  The order of
 params on either side comes from a meta-device model of that layout (`param_groups`, the order
 MixedPrecisionOptimizer steps them in), never from the file.
@@ -55,9 +56,7 @@ from .megatron_optimizer_layout import is_megatron_layout, megatron_groups, to_m
 from .optimizer import param_groups
 from .optimizer_state import MOMENTS, STATE_KEYS, check_parameter_state, parameter_state_from
 from .reshard_rng import first_entry, resharded_rng_entry
-
-TIED_COPY = "output_layer.weight"
-EMBEDDING = "embedding.word_embeddings.weight"
+from .tied_embedding import EMBEDDING, TIED_COPY, source_name
 
 
 # ------------------------------------------------------------------ param order of a layout
@@ -71,12 +70,6 @@ def stage_param_order(config, pp: int, vpp: int, stage: int, layers_per_chunk: l
     name_of = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
     groups = param_groups(chunks, weight_decay=0.0)
     return [name_of[id(p)] for g in groups for p in g["params"]], [len(g["params"]) for g in groups], chunks
-
-
-def source_name(config, chunks, name: str) -> str:
-    """The full tensor a target param is cut from (a last stage's tied copy: the embedding)."""
-    tied_copy = config.tie_word_embeddings and name == TIED_COPY and not any(c.pre_process for c in chunks)
-    return EMBEDDING if tied_copy else name
 
 
 def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args, stage: int):
@@ -291,7 +284,7 @@ class ResumableReshard:
         target rank (tp_rank, stage), in `model_params` order; the source ranks this stage reads are
         loaded once (the others released).  The tensors may be views of a merged tensor: copy them."""
         names, _, chunks = self.order(stage)
-        sources = [source_name(self.config, chunks, n) for n in names]
+        sources = [source_name(chunks, n) for n in names]  # a last stage's tied copy: the embedding
         stages = sorted({self.ckpt.locate(s)[0] for s in sources})
         self._cache = {key: value for key, value in self._cache.items() if key[1] in stages}
         for p in stages:
