@@ -52,7 +52,7 @@ from ..parallel.sharding import merge_tensor, split_tensor
 from .checkpoint import DISTRIB_OPTIM_FILE
 from .megatron_distrib_optim import (distributed_optimizer_entry, empty_megatron_state, grad_buffer_args,
                                      is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron)
-from .megatron_optimizer_layout import is_megatron_layout, megatron_groups, to_megatron
+from .megatron_optimizer_layout import inner_state, is_megatron_layout, megatron_groups, to_megatron
 from .optimizer import param_groups
 from .optimizer_state import MOMENTS, STATE_KEYS, check_parameter_state, parameter_state_from
 from .reshard_rng import first_entry, resharded_rng_entry
@@ -89,13 +89,6 @@ def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args,
 
 # ------------------------------------------------------------------ optimizer entries
 
-def _inner(entry: dict) -> dict:
-    """The torch-optimizer part ({state, param_groups}) of an optimizer entry: ours nests it under
-    "optimizer" (Megatron-LM's layout); a flat entry holds it at the top level."""
-    nested = entry.get("optimizer")
-    return nested if isinstance(nested, dict) and "param_groups" in nested else entry
-
-
 def as_full_state(entry: dict) -> dict:
     """An optimizer entry in the nesting `parameter_state_from` reads ({"optimizer": {...},
     "fp32_from_fp16_params": flat list}); Megatron-LM's per-group lists of main weights flattened
@@ -103,16 +96,16 @@ def as_full_state(entry: dict) -> dict:
     halves = entry.get("fp32_from_fp16_params", [])
     if halves and isinstance(halves[0], (list, tuple)):
         halves = [t for group in halves for t in group]
-    return {**entry, "optimizer": _inner(entry), "fp32_from_fp16_params": halves}
+    return {**entry, "optimizer": inner_state(entry), "fp32_from_fp16_params": halves}
 
 
 def source_hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
     """(param groups without their params, loss scaler state or None) of a source optimizer entry in
     any layout; its groups must be the resharded rank's (`group_count`: Megatron's decay / no-decay)."""
-    groups = _inner(entry).get("param_groups")
-    if not isinstance(groups, list) or len(groups) != group_count:
-        raise CheckpointError(f"{where}: optimizer entry has {len(groups) if isinstance(groups, list) else 'no'} param "
-                              f"groups, the resharded rank has {group_count} (Megatron's decay / no-decay groups)")
+    groups = inner_state(entry, where)["param_groups"]
+    if len(groups) != group_count:
+        raise CheckpointError(f"{where}: optimizer entry has {len(groups)} param groups, the resharded rank has "
+                              f"{group_count} (Megatron's decay / no-decay groups)")
     scaler = entry.get("grad_scaler")
     return ([{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "step")} for g in groups],
             copy.deepcopy(scaler) if isinstance(scaler, dict) else None)
