@@ -3,8 +3,8 @@
 A training checkpoint's optimizer state is, per model-parallel rank (t, p), a parameter state
 (optimizer_state.py): fp32 main weights and Adam moments, flat over that rank's params in the
 optimizer's `model_params` order, plus the step. Each source rank's state (distrib_optim.pt in
-megatron-core's layout through `parameter_state_from_megatron`, in our earlier flat one as is; the
-former ZeRO-1 files or a full state in model_optim_rng.pt through `parameter_state_from`) is cut
+megatron-core's layout or our earlier flat one, the former ZeRO-1 files, or a full state in
+model_optim_rng.pt: optimizer_files.parameter_state_of, as a resume reads it) is cut
 back into named per-param tensors shaped like that rank's weight shards; then every key X in (param,
 exp_avg, exp_avg_sq) is moved exactly as the weights are:
 
@@ -49,14 +49,15 @@ from ..checkpoint.unpickle import safe_load
 from ..errors import CheckpointError
 from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
-from .checkpoint import DISTRIB_OPTIM_FILE
-from .megatron_distrib_optim import (distributed_optimizer_entry, empty_megatron_state, grad_buffer_args,
-                                     is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron)
-from .megatron_optimizer_layout import inner_state, is_megatron_layout, megatron_groups, to_megatron
+from .megatron_distrib_optim import distributed_optimizer_entry, empty_megatron_state, grad_buffer_args, megatron_layout
+from .megatron_optimizer_layout import inner_state, megatron_groups, to_megatron
 from .optimizer import param_groups
-from .optimizer_state import MOMENTS, STATE_KEYS, check_parameter_state, parameter_state_from
+from .optimizer_files import DISTRIB_OPTIM_FILE, optimizer_entry, parameter_state_of
+from .optimizer_state import MOMENTS, STATE_KEYS
 from .reshard_rng import first_entry, resharded_rng_entry
 from .tied_embedding import EMBEDDING, TIED_COPY, source_name
+
+NEEDS_OPTIMIZER = "--with-optimizer needs a training checkpoint saved with its optimizer"  # optimizer_entry's remedy
 
 
 # ------------------------------------------------------------------ param order of a layout
@@ -88,16 +89,6 @@ def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args,
 
 
 # ------------------------------------------------------------------ optimizer entries
-
-def as_full_state(entry: dict) -> dict:
-    """An optimizer entry in the nesting `parameter_state_from` reads ({"optimizer": {...},
-    "fp32_from_fp16_params": flat list}); Megatron-LM's per-group lists of main weights flattened
-    (groups run in `model_params` order)."""
-    halves = entry.get("fp32_from_fp16_params", [])
-    if halves and isinstance(halves[0], (list, tuple)):
-        halves = [t for group in halves for t in group]
-    return {**entry, "optimizer": inner_state(entry), "fp32_from_fp16_params": halves}
-
 
 def source_hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
     """(param groups without their params, loss scaler state or None) of a source optimizer entry in
@@ -153,7 +144,8 @@ class SourceOptimizer:
         # meta chunks' order holds for the loaded weights too)
         order = megatron_groups(chunks, [g["params"] for g in param_groups(chunks, weight_decay=0.0)])
         layout = lambda: self._megatron_layout(chunks, weights, stage)  # noqa: E731 (only for megatron-core's file)
-        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes, order, layout)
+        _, ps = parameter_state_of(path, self.payload(tp_rank, stage), model_params, order, layout, NEEDS_OPTIMIZER,
+                                   group_sizes)
         step = int(ps["step"])
         if self.step is not None and step != self.step:
             raise CheckpointError(f"{path}: optimizer step {step}, other ranks' is {self.step}")
@@ -167,37 +159,6 @@ class SourceOptimizer:
 
     def _megatron_layout(self, chunks, weights: dict[str, torch.Tensor], stage: int):
         return rank_layout(self.config, self.ckpt.pp, chunks, weights, self.ckpt.args, stage)
-
-    @staticmethod
-    def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int],
-                         order, layout) -> dict:
-        folder = path.parent
-        zero1 = sorted(folder.glob("optim_dp_*.pt"))
-        try:
-            if (folder / DISTRIB_OPTIM_FILE).is_file():
-                ps = safe_load(folder / DISTRIB_OPTIM_FILE, mmap=True)
-                if is_megatron_distrib_optim(ps):  # megatron-core's layout (what ours writes too)
-                    return parameter_state_from_megatron(ps, payload.get("optimizer") or {}, layout(), model_params,
-                                                         folder / DISTRIB_OPTIM_FILE)
-                check_parameter_state(ps, model_params)  # our earlier flat layout
-                return ps
-            if zero1:
-                return parameter_state_from([as_full_state(safe_load(f)["optimizer"]) for f in zero1], model_params)
-            entry = payload.get("optimizer")
-            if not isinstance(entry, dict):
-                raise CheckpointError("holds no optimizer state (a converted or weights-only checkpoint); "
-                                      "--with-optimizer needs a training checkpoint saved with its optimizer")
-            full = as_full_state(entry)
-            saved = [len(g.get("params", ())) for g in full["optimizer"].get("param_groups", [])]
-            if saved != group_sizes:
-                raise CheckpointError(f"optimizer param groups of {saved} params, the model's default groups have "
-                                      f"{group_sizes} (custom param groups cannot be resharded)")
-            return parameter_state_from([entry if is_megatron_layout(entry) else full], model_params, order)
-        except CheckpointError as exc:
-            message = str(exc)
-            raise CheckpointError(message if message.startswith(str(folder)) else f"{path}: {message}") from None
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an entry not shaped as written
-            raise CheckpointError(f"{path}: optimizer state not in the expected layout ({exc!r})") from None
 
 
 # ------------------------------------------------------------------ target ranks
@@ -221,9 +182,7 @@ class ResumableReshard:
         self.source = SourceOptimizer(ckpt)
         self._order: dict[int, tuple] = {}
         first = self.source.payload(0, 0)
-        if not isinstance(first.get("optimizer"), dict):
-            raise CheckpointError(f"{self.source.file(0, 0)}: holds no optimizer entry (a converted or weights-only "
-                                  f"checkpoint); --with-optimizer needs a training checkpoint saved with its optimizer")
+        optimizer_entry(first, self.source.file(0, 0), NEEDS_OPTIMIZER)
         dtype = self._check_dtypes(first)
         source_args = ckpt.args or argparse.Namespace()
         if distributed is None:
