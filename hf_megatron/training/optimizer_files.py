@@ -34,6 +34,13 @@ def zero1_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("optim_dp_*.pt"))
 
 
+def _zero1_entry(path: Path) -> dict:
+    entry = safe_load(path).get("optimizer")
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{path}: expected an 'optimizer' entry (the state the former ZeRO-1 saved for a dp rank)")
+    return entry
+
+
 def kept_apart(folder: Path) -> bool:
     """Whether the rank folder keeps its per-param optimizer state in files of its own
     (distrib_optim.pt, optim_dp_RRR.pt) rather than in model_optim_rng.pt's entry."""
@@ -77,7 +84,7 @@ def parameter_state_of(rank_file: Path, payload: dict, model_params: list[torch.
             if [f.name for f in zero1] != [optim_file_name(r) for r in range(len(zero1))]:
                 raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1]} are not "
                                       f"optim_dp_000.pt .. optim_dp_{len(zero1) - 1:03d}.pt")
-            states = [safe_load(f)["optimizer"] for f in zero1]
+            states = [_zero1_entry(f) for f in zero1]
             return states[0], parameter_state_from(states, model_params, order)
         entry = optimizer_entry(payload, rank_file, remedy)
         if group_sizes is not None:
