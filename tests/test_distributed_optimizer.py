@@ -7,6 +7,8 @@ sum the squared grad norm in different orders).  Mirrors test_checkpoint_resume.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,14 +34,17 @@ def _fresh(cfg, config, seed):
     return chunks, optimizer, build_scheduler(optimizer, cfg)
 
 
-def _switch(save_cfg, load_cfg, config, save_dir):
-    """(uninterrupted losses under load_cfg, losses saved under save_cfg and resumed under load_cfg)."""
+def _switch(save_cfg, load_cfg, config, save_dir, rewrite=None):
+    """(uninterrupted losses under load_cfg, losses saved under save_cfg and resumed under load_cfg);
+    `rewrite(rank dir, optimizer)`, when given, turns the saved rank folder into another layout."""
     from hf_megatron.training.checkpoint import load_checkpoint, save_checkpoint
     data = batches()
     uninterrupted = _train(_fresh(load_cfg, config, load_cfg.seed), load_cfg, data)
     first = _fresh(save_cfg, config, save_cfg.seed)
     interrupted = _train(first, save_cfg, data[:SAVE_AT])
     save_checkpoint(save_dir, SAVE_AT, *first)
+    if rewrite is not None:
+        rewrite(Path(save_dir) / f"iter_{SAVE_AT:07d}" / "mp_rank_00", first[1])
     second = _fresh(load_cfg, config, load_cfg.seed + 1)
     assert load_checkpoint(save_dir, *second) == SAVE_AT
     return uninterrupted, interrupted + _train(second, load_cfg, data[SAVE_AT:])

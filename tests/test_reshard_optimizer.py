@@ -273,3 +273,26 @@ def test_target_optimizer_flags_are_checked(tmp_path):
         assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
         assert message in err, err
     assert not (tmp_path / "x").exists()
+
+
+def test_source_hyper_parameters_read_either_nesting_and_bad_entries_name_the_file(tmp_path):
+    """FP32Optimizer's entry (torch's state dict at the top) and Float16OptimizerWithFloat16Params'
+    (nested under "optimizer", with the scaler beside it) give the same groups, without their params
+    and step; an entry with no param groups is one error naming its file."""
+    from hf_megatron.errors import CheckpointError
+    from hf_megatron.training.reshard_optimizer import source_hyper_parameters
+    where = tmp_path / "mp_rank_00" / "model_optim_rng.pt"
+    groups = [{"lr": 1e-3, "weight_decay": 0.1, "params": [0, 1], "step": 3},
+              {"lr": 1e-3, "weight_decay": 0.0, "params": [2], "step": 3}]
+    scaler = {"scale": torch.tensor([4.0]), "growth_tracker": 1, "hysteresis_tracker": 2}
+    flat = {"state": {}, "param_groups": groups}
+    expected = [{"lr": 1e-3, "weight_decay": 0.1}, {"lr": 1e-3, "weight_decay": 0.0}]
+    assert source_hyper_parameters(flat, 2, where) == (expected, None)
+    got, got_scaler = source_hyper_parameters({"optimizer": flat, "grad_scaler": scaler}, 2, where)
+    assert got == expected and torch.equal(got_scaler["scale"], scaler["scale"])
+    for bad in ({"optimizer": None}, {"optimizer": {"state": {}}}, {"state": {}}):
+        with pytest.raises(CheckpointError) as info:
+            source_hyper_parameters(bad, 2, where)
+        assert str(info.value).startswith(f"{where}: optimizer state: expected 'param_groups'"), info.value
+    with pytest.raises(CheckpointError, match="optimizer entry has 2 param groups, the resharded rank has 3"):
+        source_hyper_parameters(flat, 3, where)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..checkpoint import rng
 from ..checkpoint.args import build_args
-from ..checkpoint.files import (MODEL_FILE, TRACKER, StagingDir, iter_dir_name, optim_file_name, rank_dir_name,
+from ..checkpoint.files import (MODEL_FILE, TRACKER, StagingDir, iter_dir_name, rank_dir_name,
                                 resolve_iteration_dir, save_atomic, saved_layout, write_text_atomic)
 from ..checkpoint.mcore import read_rank_file
 from ..checkpoint.names import model_keys, to_stage_global, to_stage_local
@@ -43,13 +43,10 @@ from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
 from ..parallel import state
 from ..parallel.random import get_tracker
-from .megatron_distrib_optim import (empty_megatron_state, is_megatron_distrib_optim, parameter_state_from_megatron,
-                                     training_layout, unwrap_model)
+from .megatron_distrib_optim import empty_megatron_state, training_layout, unwrap_model
 from .megatron_optimizer_layout import set_schedule_bounds
-from .optimizer_state import parameter_state_from
+from .optimizer_files import DISTRIB_OPTIM_FILE, kept_apart, optimizer_entry, parameter_state_of
 from .torch_dist_resume import PARAMETER_STATE, is_torch_dist_folder, read_torch_dist
-
-DISTRIB_OPTIM_FILE = "distrib_optim.pt"  # Megatron-LM's name: the distributed optimizer's state, from dp rank 0
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
@@ -260,40 +257,24 @@ def restore_rng(saved) -> bool:
     return True
 
 
+NO_OPTIMIZER_STATE = "load it without an optimizer (--finetune or --no-load-optim)"  # optimizer_entry's remedy
+
+
 def _load_optimizer_state(optimizer, payload: dict, path: Path, pp_rank: int = 0) -> None:
     """Whichever optimizer layout the rank folder holds, into whichever optimizer this run has:
-    distrib_optim.pt (the distributed optimizer's: megatron-core's layout or our earlier flat one),
-    the former ZeRO-1's optim_dp_RRR.pt files, a full state inside model_optim_rng.pt, or the
-    parameter state torch_dist_resume read (optimizer_state.py converts between them)."""
-    folder = path.parent
-    zero1_files = sorted(folder.glob("optim_dp_*.pt"))
+    the parameter state torch_dist_resume read, or optimizer_files.parameter_state_of's (distrib_optim.pt,
+    the former ZeRO-1's optim_dp_RRR.pt files, or for a distributed optimizer the full state of
+    model_optim_rng.pt); a plain optimizer reads a full state itself."""
     if PARAMETER_STATE in payload:  # torch_dist: megatron-core's distributed optimizer, read by torch_dist_resume
         optimizer.load_state_dict(payload["optimizer"], parameter_state=payload[PARAMETER_STATE])
-    elif (folder / DISTRIB_OPTIM_FILE).is_file():
-        if "optimizer" not in payload:
-            raise CheckpointError(f"{path}: no optimizer entry (param groups, loss scaler) beside {DISTRIB_OPTIM_FILE}")
-        parameter_state = safe_load(folder / DISTRIB_OPTIM_FILE)
-        if is_megatron_distrib_optim(parameter_state):  # megatron-core's layout (ours too), not our earlier flat one
-            parameter_state = parameter_state_from_megatron(
-                parameter_state, payload["optimizer"], training_layout(optimizer.chunks, payload.get("args"), pp_rank),
-                optimizer.model_params, folder / DISTRIB_OPTIM_FILE)
-        optimizer.load_state_dict(payload["optimizer"], parameter_state=parameter_state)
-    elif zero1_files:
-        if [f.name for f in zero1_files] != [optim_file_name(r) for r in range(len(zero1_files))]:
-            raise CheckpointError(f"{folder}: optimizer files {[f.name for f in zero1_files]} are not "
-                                  f"optim_dp_000.pt .. optim_dp_{len(zero1_files) - 1:03d}.pt")
-        states = [safe_load(f)["optimizer"] for f in zero1_files]
-        optimizer.load_state_dict(states[0], parameter_state=parameter_state_from(
-            states, optimizer.model_params, getattr(optimizer, "megatron_order", None)))
-    elif "optimizer" not in payload:
-        raise CheckpointError(f"{path}: holds no optimizer state (a converted or weights-only checkpoint); "
-                              f"load it without an optimizer (--finetune or --no-load-optim)")
-    elif getattr(optimizer, "sharded", False):
-        state = payload["optimizer"]
-        optimizer.load_state_dict(state, parameter_state=parameter_state_from(
-            [state], optimizer.model_params, getattr(optimizer, "megatron_order", None)))
+    elif getattr(optimizer, "sharded", False) or kept_apart(path.parent):
+        layout = lambda: training_layout(optimizer.chunks, payload.get("args"), pp_rank)  # noqa: E731
+        entry, parameter_state = parameter_state_of(path, payload, optimizer.model_params,
+                                                    getattr(optimizer, "megatron_order", None), layout,
+                                                    NO_OPTIMIZER_STATE)
+        optimizer.load_state_dict(entry, parameter_state=parameter_state)
     else:
-        optimizer.load_state_dict(payload["optimizer"])
+        optimizer.load_state_dict(optimizer_entry(payload, path, NO_OPTIMIZER_STATE))
 
 
 def checkpoint_info(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:

@@ -127,11 +127,13 @@ def is_megatron_layout(sd: dict) -> bool:
     return isinstance(halves, list) and bool(halves) and all(isinstance(h, list) for h in halves)
 
 
-def inner_state(sd: dict) -> dict:
-    """The torch optimizer state dict inside any layout (FP32Optimizer's is the entry itself)."""
-    inner = sd if "param_groups" in sd else sd.get("optimizer")
+def inner_state(sd: dict, where=None) -> dict:
+    """The torch optimizer state dict inside any layout (FP32Optimizer's is the entry itself);
+    `where`: the file the entry was read from, named in the error."""
+    inner = (sd if "param_groups" in sd else sd.get("optimizer")) if isinstance(sd, dict) else None
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
-        raise CheckpointError("optimizer state: expected 'param_groups' (FP32Optimizer) or 'optimizer' -> "
+        prefix = f"{where}: " if where is not None else ""
+        raise CheckpointError(f"{prefix}optimizer state: expected 'param_groups' (FP32Optimizer) or 'optimizer' -> "
                               "'param_groups' (Float16OptimizerWithFloat16Params, ours)")
     return inner
 

@@ -3,8 +3,8 @@
 A training checkpoint's optimizer state is, per model-parallel rank (t, p), a parameter state
 (optimizer_state.py): fp32 main weights and Adam moments, flat over that rank's params in the
 optimizer's `model_params` order, plus the step. Each source rank's state (distrib_optim.pt in
-megatron-core's layout through `parameter_state_from_megatron`, in our earlier flat one as is; the
-former ZeRO-1 files or a full state in model_optim_rng.pt through `parameter_state_from`) is cut
+megatron-core's layout or our earlier flat one, the former ZeRO-1 files, or a full state in
+model_optim_rng.pt: optimizer_files.parameter_state_of, as a resume reads it) is cut
 back into named per-param tensors shaped like that rank's weight shards; then every key X in (param,
 exp_avg, exp_avg_sq) is moved exactly as the weights are:
 
@@ -12,7 +12,8 @@ exp_avg, exp_avg_sq) is moved exactly as the weights are:
     X_target     = split_tensor(name, X_full, config, tp)[target tp rank]   (padding rows: 0)
 
 (QKV per query group, SwiGLU [gate_r; up_r], vocab rows, row/column dims: parallel/sharding.py;
-a last stage's copy of tied embeddings takes the embedding's state, as its weight does).
+a last stage's copy of tied embeddings takes the embedding's state, as its weight does:
+tied_embedding.source_name).
 Adam is elementwise, so moments split like their weights resume the same steps.  The order of
 params on either side comes from a meta-device model of that layout (`param_groups`, the order
 MixedPrecisionOptimizer steps them in), never from the file.
@@ -48,16 +49,15 @@ from ..checkpoint.unpickle import safe_load
 from ..errors import CheckpointError
 from ..loading import build_model
 from ..parallel.sharding import merge_tensor, split_tensor
-from .checkpoint import DISTRIB_OPTIM_FILE
-from .megatron_distrib_optim import (distributed_optimizer_entry, empty_megatron_state, grad_buffer_args,
-                                     is_megatron_distrib_optim, megatron_layout, parameter_state_from_megatron)
-from .megatron_optimizer_layout import is_megatron_layout, megatron_groups, to_megatron
+from .megatron_distrib_optim import distributed_optimizer_entry, empty_megatron_state, grad_buffer_args, megatron_layout
+from .megatron_optimizer_layout import inner_state, megatron_groups, to_megatron
 from .optimizer import param_groups
-from .optimizer_state import MOMENTS, STATE_KEYS, check_parameter_state, parameter_state_from
+from .optimizer_files import DISTRIB_OPTIM_FILE, optimizer_entry, parameter_state_of
+from .optimizer_state import MOMENTS, STATE_KEYS
 from .reshard_rng import first_entry, resharded_rng_entry
+from .tied_embedding import EMBEDDING, TIED_COPY, source_name
 
-TIED_COPY = "output_layer.weight"
-EMBEDDING = "embedding.word_embeddings.weight"
+NEEDS_OPTIMIZER = "--with-optimizer needs a training checkpoint saved with its optimizer"  # optimizer_entry's remedy
 
 
 # ------------------------------------------------------------------ param order of a layout
@@ -71,12 +71,6 @@ def stage_param_order(config, pp: int, vpp: int, stage: int, layers_per_chunk: l
     name_of = {id(p): n for chunk in chunks for n, p in chunk.named_parameters()}
     groups = param_groups(chunks, weight_decay=0.0)
     return [name_of[id(p)] for g in groups for p in g["params"]], [len(g["params"]) for g in groups], chunks
-
-
-def source_name(config, chunks, name: str) -> str:
-    """The full tensor a target param is cut from (a last stage's tied copy: the embedding)."""
-    tied_copy = config.tie_word_embeddings and name == TIED_COPY and not any(c.pre_process for c in chunks)
-    return EMBEDDING if tied_copy else name
 
 
 def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args, stage: int):
@@ -96,30 +90,13 @@ def rank_layout(config, pp: int, chunks, tensors: dict[str, torch.Tensor], args,
 
 # ------------------------------------------------------------------ optimizer entries
 
-def _inner(entry: dict) -> dict:
-    """The torch-optimizer part ({state, param_groups}) of an optimizer entry: ours nests it under
-    "optimizer" (Megatron-LM's layout); a flat entry holds it at the top level."""
-    nested = entry.get("optimizer")
-    return nested if isinstance(nested, dict) and "param_groups" in nested else entry
-
-
-def as_full_state(entry: dict) -> dict:
-    """An optimizer entry in the nesting `parameter_state_from` reads ({"optimizer": {...},
-    "fp32_from_fp16_params": flat list}); Megatron-LM's per-group lists of main weights flattened
-    (groups run in `model_params` order)."""
-    halves = entry.get("fp32_from_fp16_params", [])
-    if halves and isinstance(halves[0], (list, tuple)):
-        halves = [t for group in halves for t in group]
-    return {**entry, "optimizer": _inner(entry), "fp32_from_fp16_params": halves}
-
-
 def source_hyper_parameters(entry: dict, group_count: int, where: Path) -> tuple[list[dict], dict | None]:
     """(param groups without their params, loss scaler state or None) of a source optimizer entry in
     any layout; its groups must be the resharded rank's (`group_count`: Megatron's decay / no-decay)."""
-    groups = _inner(entry).get("param_groups")
-    if not isinstance(groups, list) or len(groups) != group_count:
-        raise CheckpointError(f"{where}: optimizer entry has {len(groups) if isinstance(groups, list) else 'no'} param "
-                              f"groups, the resharded rank has {group_count} (Megatron's decay / no-decay groups)")
+    groups = inner_state(entry, where)["param_groups"]
+    if len(groups) != group_count:
+        raise CheckpointError(f"{where}: optimizer entry has {len(groups)} param groups, the resharded rank has "
+                              f"{group_count} (Megatron's decay / no-decay groups)")
     scaler = entry.get("grad_scaler")
     return ([{k: copy.deepcopy(v) for k, v in g.items() if k not in ("params", "step")} for g in groups],
             copy.deepcopy(scaler) if isinstance(scaler, dict) else None)
@@ -167,7 +144,8 @@ class SourceOptimizer:
         # meta chunks' order holds for the loaded weights too)
         order = megatron_groups(chunks, [g["params"] for g in param_groups(chunks, weight_decay=0.0)])
         layout = lambda: self._megatron_layout(chunks, weights, stage)  # noqa: E731 (only for megatron-core's file)
-        ps = self._parameter_state(path, self.payload(tp_rank, stage), model_params, group_sizes, order, layout)
+        _, ps = parameter_state_of(path, self.payload(tp_rank, stage), model_params, order, layout, NEEDS_OPTIMIZER,
+                                   group_sizes)
         step = int(ps["step"])
         if self.step is not None and step != self.step:
             raise CheckpointError(f"{path}: optimizer step {step}, other ranks' is {self.step}")
@@ -181,37 +159,6 @@ class SourceOptimizer:
 
     def _megatron_layout(self, chunks, weights: dict[str, torch.Tensor], stage: int):
         return rank_layout(self.config, self.ckpt.pp, chunks, weights, self.ckpt.args, stage)
-
-    @staticmethod
-    def _parameter_state(path: Path, payload: dict, model_params: list[torch.Tensor], group_sizes: list[int],
-                         order, layout) -> dict:
-        folder = path.parent
-        zero1 = sorted(folder.glob("optim_dp_*.pt"))
-        try:
-            if (folder / DISTRIB_OPTIM_FILE).is_file():
-                ps = safe_load(folder / DISTRIB_OPTIM_FILE, mmap=True)
-                if is_megatron_distrib_optim(ps):  # megatron-core's layout (what ours writes too)
-                    return parameter_state_from_megatron(ps, payload.get("optimizer") or {}, layout(), model_params,
-                                                         folder / DISTRIB_OPTIM_FILE)
-                check_parameter_state(ps, model_params)  # our earlier flat layout
-                return ps
-            if zero1:
-                return parameter_state_from([as_full_state(safe_load(f)["optimizer"]) for f in zero1], model_params)
-            entry = payload.get("optimizer")
-            if not isinstance(entry, dict):
-                raise CheckpointError("holds no optimizer state (a converted or weights-only checkpoint); "
-                                      "--with-optimizer needs a training checkpoint saved with its optimizer")
-            full = as_full_state(entry)
-            saved = [len(g.get("params", ())) for g in full["optimizer"].get("param_groups", [])]
-            if saved != group_sizes:
-                raise CheckpointError(f"optimizer param groups of {saved} params, the model's default groups have "
-                                      f"{group_sizes} (custom param groups cannot be resharded)")
-            return parameter_state_from([entry if is_megatron_layout(entry) else full], model_params, order)
-        except CheckpointError as exc:
-            message = str(exc)
-            raise CheckpointError(message if message.startswith(str(folder)) else f"{path}: {message}") from None
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:  # an entry not shaped as written
-            raise CheckpointError(f"{path}: optimizer state not in the expected layout ({exc!r})") from None
 
 
 # ------------------------------------------------------------------ target ranks
@@ -235,9 +182,7 @@ class ResumableReshard:
         self.source = SourceOptimizer(ckpt)
         self._order: dict[int, tuple] = {}
         first = self.source.payload(0, 0)
-        if not isinstance(first.get("optimizer"), dict):
-            raise CheckpointError(f"{self.source.file(0, 0)}: holds no optimizer entry (a converted or weights-only "
-                                  f"checkpoint); --with-optimizer needs a training checkpoint saved with its optimizer")
+        optimizer_entry(first, self.source.file(0, 0), NEEDS_OPTIMIZER)
         dtype = self._check_dtypes(first)
         source_args = ckpt.args or argparse.Namespace()
         if distributed is None:
@@ -291,7 +236,7 @@ class ResumableReshard:
         target rank (tp_rank, stage), in `model_params` order; the source ranks this stage reads are
         loaded once (the others released).  The tensors may be views of a merged tensor: copy them."""
         names, _, chunks = self.order(stage)
-        sources = [source_name(self.config, chunks, n) for n in names]
+        sources = [source_name(chunks, n) for n in names]  # a last stage's tied copy: the embedding
         stages = sorted({self.ckpt.locate(s)[0] for s in sources})
         self._cache = {key: value for key, value in self._cache.items() if key[1] in stages}
         for p in stages:

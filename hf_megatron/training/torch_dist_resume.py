@@ -63,6 +63,7 @@ from ..parallel import comm, state as parallel_state
 from ..parallel.sharding import split_tensor
 from .megatron_distrib_optim import parameter_state_from_megatron, saved_group_step, training_layout
 from .optimizer_state import MOMENTS, STATE_KEYS
+from .tied_embedding import source_name
 
 OPTIMIZER_PREFIX = "optimizer.state."
 DISTRIBUTED_PREFIX = "optimizer.distributed.dp_group_idx_"
@@ -77,16 +78,10 @@ def is_torch_dist_folder(folder: Path) -> bool:
     return (folder / ".metadata").is_file() or (folder / "metadata.json").is_file()
 
 
-def _source_name(chunk, name: str) -> str:
-    """The checkpoint tensor a param of ours is: the last stage's copy of a tied table is the embedding."""
-    tied_copy = chunk.output_layer is not None and chunk.embedding is None and chunk.config.tie_word_embeddings
-    return "embedding.word_embeddings.weight" if tied_copy and name == "output_layer.weight" else name
-
-
 def _rank_shard(ckpt: TorchDistCheckpoint, chunk, name: str, prefix: str = "") -> torch.Tensor:
     """This rank's TP shard of the full tensor `prefix + <sharded key of name>`."""
     group = getattr(chunk, "tp_group", None)
-    full = ckpt.get(_source_name(chunk, name), prefix=prefix)
+    full = ckpt.get(source_name([chunk], name), prefix=prefix)
     return split_tensor(name, full, chunk.config, comm.group_size(group))[comm.group_rank(group)]
 
 
@@ -98,7 +93,7 @@ def _model_entries(ckpt: TorchDistCheckpoint, chunks) -> dict[str, dict[str, tor
     for key, chunk in zip(keys, chunks):
         state = {}
         for name in chunk.state_dict():
-            if _source_name(chunk, name) in ckpt.where:
+            if source_name([chunk], name) in ckpt.where:
                 state[name] = _rank_shard(ckpt, chunk, name)
         out[key] = to_stage_local(state, chunk.layer_numbers)
     return out
