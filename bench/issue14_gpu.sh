@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 14 on one H200, in device calls of <= 600 s each (run from the repo root by the device tool,
-# after installing the carried wheels into /tmp/site):
+# Issue 14 on one H200, one device call (<= 600 s) per stage, in this order (the last ones can wait);
+# run from the repo root by the device tool, after installing the carried wheels into /tmp/site:
 #   STAGE=tests   bash bench/issue14_gpu.sh   # build csrc/, every GPU test of the step changes, then the
 #                                             # lr-3e-4 loss curves with their perturbed-init floor (~5 min)
-#   STAGE=speed   bash bench/issue14_gpu.sh   # throughput: each new option beside its anchor (~8 min)
+#   STAGE=speed   bash bench/issue14_gpu.sh   # Llama 1.2B throughput: each new option beside its anchor (~6 min)
+#   STAGE=speed-gpt2 bash bench/issue14_gpu.sh   # GPT-2 medium likewise, with the decoder-scope compile (~5 min)
 #   STAGE=curves  bash bench/issue14_gpu.sh   # 20-step loss curves of the 1.2B at lr 1e-4 (~5 min)
 #   STAGE=3b      bash bench/issue14_gpu.sh   # the float8 row's 3B (seq 4096) beside transformers + compile (~4 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
@@ -28,8 +29,10 @@ speed)
   # lazy buffer vs its anchor, the csrc AdamW, the compiled fused loss (memory row), transformers' best
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
     ours-compile-full-buffer ours-compile ours-precision-aware ours-fused-ce 2>&1 | tail -9
+  ;;
+speed-gpt2)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
-    ours-compile-full-buffer ours-compile ours-precision-aware 2>&1 | tail -7
+    ours-compile-full-buffer ours-compile ours-precision-aware ours-compile-decoder 2>&1 | tail -8
   ;;
 curves)
   # a smoother definition: lr 1e-4 after 5 warm-up steps

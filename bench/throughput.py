@@ -38,6 +38,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   backward folded into it (session 5's step; the anchor of the lazy buffer, grad_buffer.py)
     ours-precision-aware  ours-compile with --use-precision-aware-optimizer: csrc/adamw.cu steps AdamW
                   on the bf16 grads and writes the bf16 weights in the same pass (training/fused_adamw.py)
+    ours-compile-decoder  ours-compile with --torch-compile-scope decoder: the whole decoder stack one
+                  compiled region (parallel/compile.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -65,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
 
 VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
-            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-precision-aware")
+            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-precision-aware", "ours-compile-decoder")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -162,7 +164,7 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
-              precision_aware: bool = False):
+              precision_aware: bool = False, scope: str = "layer"):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -174,7 +176,7 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
         source = hf_model(spec, device)
         # float8 (cfg.fp8_format): build_model swaps the float8 linears in before the regional compile
         chunks = build_model(source, cfg, device=device, fused_loss=fused_loss,
-                             compile={"mode": compile_mode} if compile else False)
+                             compile={"mode": compile_mode, "scope": scope} if compile else False)
         del source
         if full_buffer:  # the anchor (this child process only): the grad buffer allocated up front
             from hf_megatron.training.optimizer import MixedPrecisionOptimizer
@@ -198,7 +200,8 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
     return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8",
                      fused_loss=variant in ("ours-fused-ce", "ours-float8"), wgrad_fusion=variant == "ours-wgrad-fusion",
                      full_buffer=variant == "ours-compile-full-buffer",
-                     precision_aware=variant == "ours-precision-aware")
+                     precision_aware=variant == "ours-precision-aware",
+                     scope="decoder" if variant == "ours-compile-decoder" else "layer")
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:

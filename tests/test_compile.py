@@ -63,6 +63,42 @@ def test_compiled_layers_give_eager_logits_loss_and_grads(arch, recompute):
     assert counter.frame_count == (5 if recompute == "selective" else 2)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_decoder_scope_is_one_region_with_eager_numbers(arch):
+    """scope "decoder": the whole layer stack + final norm is one compiled graph (plus the loss's),
+    same logits, loss and grads as eager, and the param-gather hook regions follow the scope."""
+    from hf_megatron.parallel.compile import compiled_regions
+    hf = tiny_hf_model(arch)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = build_model(hf)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = build_model(hf, compile={"backend": counter, "scope": "decoder"})
+    assert [n for n, _ in compiled_regions(compiled)] == ["decoder", "vocab_loss"]
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    assert_same(forward_backward(compiled, ids), forward_backward(eager, ids))
+    assert counter.frame_count == 2  # the decoder (both layers unrolled) and the loss
+
+
+def test_decoder_scope_refuses_recompute_either_way():
+    hf = tiny_hf_model("llama")
+    with pytest.raises(ValueError, match="scope 'decoder' with activation recompute applied"):
+        apply_compile(apply_recompute(build_model(hf), "selective"), backend="aot_eager", scope="decoder")
+    with pytest.raises(ValueError, match="cannot be applied inside a decoder compiled as one region"):
+        apply_recompute(apply_compile(build_model(hf), backend="aot_eager", scope="decoder"), "full")
+    with pytest.raises(ValueError, match="already compiled with scope 'layer'"):
+        apply_compile(apply_compile(build_model(hf), backend="aot_eager"), backend="aot_eager", scope="decoder")
+
+
+def test_decoder_scope_flag_needs_compile_and_no_recompute():
+    from hf_megatron.errors import ConfigError
+    from hf_megatron.training import TrainingConfig
+    assert TrainingConfig(torch_compile=True, torch_compile_scope="decoder").torch_compile_scope == "decoder"
+    with pytest.raises(ConfigError, match="expected --torch-compile as well"):
+        TrainingConfig(torch_compile_scope="decoder")
+    with pytest.raises(ConfigError, match="expected no --recompute-granularity"):
+        TrainingConfig(torch_compile=True, torch_compile_scope="decoder", recompute_granularity="full")
+
+
 def test_state_dict_names_unchanged_and_compile_goes_inside_recompute():
     hf = tiny_hf_model("llama")
     model = build_model(hf)
@@ -93,10 +129,11 @@ def _train_one_step(arch: str, compile):
         state.reset()
 
 
+@pytest.mark.parametrize("scope", ["layer", "decoder"])
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_compiled_model_trains_one_step_like_eager(arch):
+def test_compiled_model_trains_one_step_like_eager(arch, scope):
     counter = CompileCounterWithBackend("aot_eager")
-    stats, weights = _train_one_step(arch, {"backend": counter})
+    stats, weights = _train_one_step(arch, {"backend": counter, "scope": scope})
     ref_stats, ref_weights = _train_one_step(arch, False)
     assert counter.frame_count >= 2
     assert abs(stats["loss"] - ref_stats["loss"]) <= TOL * ref_stats["loss"]

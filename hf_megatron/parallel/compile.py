@@ -12,6 +12,14 @@ copy of the logits.  Forwards are replaced on the instance (as recompute does), 
 and state-dict names do not change.  Inside a compiled region the fused csrc kernels fall back
 to their PyTorch expressions (`kernels._compiling`), which inductor fuses itself.
 
+Scope "decoder" (`--torch-compile-scope decoder`): the decoder stack of this model chunk -- all its
+layers and the final norm -- is one region instead (dynamo unrolls the layer loop).  Longer compile
+(the graph grows with depth), but one compiled call per forward and per backward instead of one per
+layer (each costs guard checks and AOTAutograd's wrappers on the host: the step of a small model on
+a GPU is host-bound), and inductor may fuse across layer boundaries (a layer's last residual add
+with the next layer's norm).  Not with activation recompute: its checkpoint around each layer would
+be traced inside the region, where its replay counter graph-breaks (see below).
+
 Order with recompute (checked by tests/test_compile.py):
 * compile first, recompute second.  `recompute` wraps the layer's forward in
   `checkpoint(replayable(forward))`; `replayable` keeps a call counter (it replays the TP dropout
@@ -38,25 +46,39 @@ import torch
 from torch import nn
 
 _COMPILED = "_hf_megatron_compiled"
+_SCOPE = "_hf_megatron_compile_scope"
+SCOPES = ("layer", "decoder")
 
 
-def compiled_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of each region `apply_compile` compiles: `decoder.layers.N` and the loss."""
+def compiled_regions(model: nn.Module, scope: str | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, module) of each region `apply_compile` compiles (or compiled, `scope` None: the scope
+    it was given, else "layer"): `decoder.layers.N` or `decoder`, and the loss."""
+    scope = scope or getattr(model, _SCOPE, "layer")
     regions = []
     for name, module in model.named_modules():
-        if (name.startswith("decoder.layers.") and name.count(".") == 2) or name == "vocab_loss":
+        per_layer = name.startswith("decoder.layers.") and name.count(".") == 2
+        if (per_layer if scope == "layer" else name == "decoder") or name == "vocab_loss":
             regions.append((name, module))
     return regions
 
 
-def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor",
+def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor", scope: str = "layer",
                   **compile_kwargs) -> nn.Module:
-    """Compile each transformer layer and the vocab loss of `model` in place; returns model.
+    """Compile each transformer layer (`scope` "decoder": the whole decoder stack) and the vocab
+    loss of `model` in place; returns model.
 
     `mode` and `backend` (and any other keyword) go to `torch.compile`.  Apply after
     `parallelize` and before `apply_recompute` (see the module docstring); applying twice is a
     no-op."""
-    for name, module in compiled_regions(model):
+    if scope not in SCOPES:
+        raise ValueError(f"apply_compile: scope should be one of {SCOPES}, got {scope!r}")
+    if getattr(model, _SCOPE, scope) != scope:
+        raise ValueError(f"apply_compile: already compiled with scope {getattr(model, _SCOPE)!r}")
+    if scope == "decoder" and any(getattr(m.forward, "hf_megatron_recompute", False) for m in model.modules()):
+        raise ValueError("apply_compile: scope 'decoder' with activation recompute applied; compile per layer "
+                         "to recompute (the checkpoints would be traced inside the region)")
+    setattr(model, _SCOPE, scope)
+    for name, module in compiled_regions(model, scope):
         if getattr(module, _COMPILED, False):
             continue
         if hasattr(module.forward, "__wrapped__"):  # recompute's functools.wraps'd checkpoint

@@ -30,6 +30,7 @@ def _checkpointed(module: nn.Module) -> None:
             return checkpoint(replayable(forward), *args, use_reentrant=False)
         return forward(*args)
 
+    run.hf_megatron_recompute = True  # parallel/compile.py refuses a decoder region around it
     module.forward = run
 
 
@@ -38,6 +39,9 @@ def apply_recompute(model: nn.Module, granularity: str | None) -> nn.Module:
         raise ValueError(f"recompute granularity must be None, 'full' or 'selective', got {granularity!r}")
     if granularity is None:
         return model
+    if getattr(model, "_hf_megatron_compile_scope", None) == "decoder":  # parallel/compile.py
+        raise ValueError("activation recompute cannot be applied inside a decoder compiled as one region "
+                         "(its checkpoints would be traced there); compile per layer to recompute")
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
         if granularity == "selective" and leaf == "core_attention":

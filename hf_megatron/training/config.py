@@ -21,6 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..parallel import state
+from ..parallel.compile import SCOPES as COMPILE_SCOPES
 from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
 
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -138,6 +139,12 @@ class TrainingConfig:
                                                help="activation recomputation (default: none)")
     torch_compile: bool = option(False, group="speed",
                                  help="torch.compile each transformer layer and the loss (regional compile)")
+    torch_compile_scope: str = option(
+        "layer", group="speed", choices=COMPILE_SCOPES,
+        help="with --torch-compile: layer = each transformer layer its own region (one graph reused by every "
+             "layer: short compile); decoder = this stage's whole decoder stack as one region (longer compile, "
+             "one compiled call per pass instead of one per layer, fusion across layers; not with "
+             "--recompute-granularity)")
     cross_entropy_loss_fusion: bool = option(
         False, group="speed", help="output layer + cross entropy in chunks, no whole [tokens, vocab] logits: less "
                                    "memory, a few %% slower (bench/RESULTS.md)")
@@ -179,6 +186,13 @@ class TrainingConfig:
                               "--fp8-format as well (it keeps layers out of float8)")
         if self.bf16 and self.fp16:
             raise ConfigError("TrainingConfig: bf16 and fp16 are exclusive (--bf16 / --fp16: give at most one)")
+        if self.torch_compile_scope != "layer" and not self.torch_compile:
+            raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope {self.torch_compile_scope}): "
+                              "expected --torch-compile as well")
+        if self.torch_compile_scope == "decoder" and self.recompute_granularity is not None:
+            raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope decoder): expected no "
+                              f"--recompute-granularity (got {self.recompute_granularity}); use "
+                              "--torch-compile-scope layer to recompute")
         if self.global_batch_size is not None and self.global_batch_size % self.micro_batch_size:
             raise ConfigError(f"TrainingConfig.global_batch_size (--global-batch-size): expected a multiple of "
                               f"--micro-batch-size {self.micro_batch_size}, got {self.global_batch_size}")
