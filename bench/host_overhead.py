@@ -15,6 +15,13 @@ configurations, interleaved `--rounds` times (the median is printed, process CPU
 
 Both use torch's fused CPU AdamW (the CUDA default is fused too).  The numbers are this CPU's, not
 the GPU host's; the ratio is what carries over.
+
+    python bench/host_overhead.py --scopes       # the same step eager, compiled per layer, and
+                                                 # compiled as one decoder region (--torch-compile-scope)
+                                                 # on a 24-layer hidden-16 GPT-2 (inductor, CPU)
+
+The compiled rows include what inductor's CPU kernels gain by fusing, so they are an upper bound on
+the host time the decoder region saves, not a GPU prediction.
 """
 from __future__ import annotations
 
@@ -31,16 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402
 
 
-def build(before: bool):
+def build(before: bool, compile=False, hidden: int = 64):
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel
     from hf_megatron.training.optimizer import MixedPrecisionOptimizer
-    spec = throughput.Spec("gpt2", 2, 32, dict(n_embd=64, n_layer=24, n_head=4, vocab_size=300,
+    spec = throughput.Spec("gpt2", 2, 32, dict(n_embd=hidden, n_layer=24, n_head=4, vocab_size=300,
                                                 bos_token_id=0, eos_token_id=0))
     cfg = TrainingConfig(micro_batch_size=2, global_batch_size=2, lr=1e-4, bf16=True, clip_grad=1.0)
     state.reset()
     setup_parallel(cfg)
-    chunks = build_model(throughput.hf_model(spec, "cpu"), cfg, device="cpu")
+    chunks = build_model(throughput.hf_model(spec, "cpu"), cfg, device="cpu", compile=compile)
     lazy = MixedPrecisionOptimizer._lazy_grad_buffer
     if before:
         MixedPrecisionOptimizer._lazy_grad_buffer = lambda self: False
@@ -53,11 +60,11 @@ def build(before: bool):
     return chunks, opt
 
 
-def timed(before: bool, steps: int) -> float:
+def timed(before: bool, steps: int, compile=False, hidden: int = 64) -> float:
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.training import fused_adamw
     from hf_megatron.training.trainer import train_step
-    chunks, opt = build(before)
+    chunks, opt = build(before, compile, hidden)
     ids = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     batch = [{"input_ids": ids, "targets": shift_labels(ids)}]
     direct = fused_adamw.torch_step_
@@ -81,8 +88,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--scopes", action="store_true", help="eager vs per-layer vs decoder-region compile")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.scopes:
+        variants = {"eager": False, "compiled per layer": {"scope": "layer"}, "one decoder region": {"scope": "decoder"}}
+        times = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, compile in variants.items():
+                times[name].append(timed(False, args.steps, compile, hidden=16))
+        print(f"torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, median process CPU ms per step")
+        print("| 24-layer hidden-16 GPT-2 | ms per step |\n| --- | --- |")
+        for name, values in times.items():
+            print(f"| {name} | {statistics.median(values) * 1e3:.2f} |")
+        return
     times = {"before": [], "after": []}
     for _ in range(args.rounds):
         for name in times:
