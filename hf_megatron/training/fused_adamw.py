@@ -1,4 +1,5 @@
-"""The mixed-precision optimizer's AdamW step through csrc/adamw.cu, on a torch.optim.AdamW's state.
+"""The mixed-precision optimizer's AdamW calls, on a torch.optim.AdamW's state: torch's own fused
+kernel called directly (`torch_step_`), or csrc/adamw.cu (`step_`, --use-precision-aware-optimizer).
 
 torch's fused AdamW needs gradients of the main weights' dtype (fp32), and casting the updated
 main weights back into the bf16 model is a second pass over them.  The csrc kernel reads bf16
@@ -7,9 +8,10 @@ arithmetic.  The state stays torch's -- `optimizer.state[main]` = {step: 0-d fp3
 exp_avg, exp_avg_sq}, created here as torch's fused AdamW creates it on its first step -- so
 checkpoints, `load_state_dict` and a later step by torch itself see no difference.
 
-Used when every group is plain AdamW (no amsgrad, maximize, capturable or differentiable; lr a
-number), fused (the state layout above) and every tensor is contiguous on one CUDA device with the
-extension built (`usable`); otherwise the caller runs torch's step.
+`step_` is used when every group is plain AdamW (no amsgrad, maximize, capturable or
+differentiable; lr a number), fused (the state layout above) and every tensor is contiguous on one
+CUDA device with the extension built (`usable`); `torch_step_` needs the same groups and grads of
+the main weights' dtype; otherwise the caller runs `optimizer.step()`.
 """
 from __future__ import annotations
 
