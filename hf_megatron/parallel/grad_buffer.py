@@ -28,7 +28,8 @@ accumulated into main_grad and `p.grad` is a placeholder: it is only counted and
 Lazy allocation (`lazy=True`: one process, nothing to reduce).  With one backward per step the fp32
 sum is the bf16 gradient itself, widened; so the buffer is not allocated until a step has a second
 backward: the first one's gradients are set aside as autograd made them (`gradients()` returns
-them; the optimizer's csrc AdamW widens them in registers), a second one allocates the buffer and
+them; the optimizer widens them -- csrc's AdamW in registers, else one copy into fp32 at the
+step, when the activations are gone), a second one allocates the buffer and
 folds both, and from then on the buffer is used as above.  Saves 4 bytes per param of memory and
 the fold's pass over them; the sums are the same numbers.
 
