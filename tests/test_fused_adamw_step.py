@@ -55,3 +55,16 @@ def test_direct_call_only_for_plain_fused_adamw():
     assert not fused_adamw.torch_step_(torch.optim.AdamW(params, fused=True, amsgrad=True), params, grads)
     assert not fused_adamw.torch_step_(torch.optim.AdamW(params, fused=True), params, [grads[0].double()])
     assert fused_adamw.torch_step_(torch.optim.AdamW(params, fused=True), params, grads)
+
+
+def test_sum_of_squares_without_the_kernel_is_an_fp64_sum():
+    """kernels.adamw.sum_of_squares off CUDA (or kernel=False): torch's fp64 per-tensor norms, squared
+    and summed -- any dtype mix, empty tensors skipped (the lazy buffer's norm over unequal dtypes)."""
+    from hf_megatron.kernels.adamw import sum_of_squares
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(257, generator=gen).to(torch.bfloat16), torch.randn(3, 5, generator=gen), torch.zeros(0)]
+    want = sum(t.double().square().sum() for t in tensors)
+    got = sum_of_squares(tensors, kernel=False)
+    assert got.dtype == torch.float64 and got.shape == ()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    assert sum_of_squares([], kernel=False).item() == 0.0
