@@ -4,10 +4,11 @@ bf16/fp16, and the fp64 sum of squares of a tensor list.
 Both kernels take a table of tensor addresses (one int64 row per tensor: main, grad, exp_avg,
 exp_avg_sq, model copy, step, numel), copied to the device with each launch because gradients
 move between steps, and a block list (tensor, chunk of `CHUNK` elements) that depends only on the
-sizes and is kept.  `adamw_` follows torch's fused AdamW step for step: the step counts are
-incremented before the update, the kernel skips everything when `found_inf` is 1, and the
-counts are decremented by `found_inf` after it.  `adamw_` has no fallback here: `supported` says
-whether a list can go to the kernel, and the caller keeps torch's AdamW for the rest.
+sizes and is kept.  `adamw_` is the update of torch's fused AdamW: the kernel reads each tensor's
+step count, which the caller has already incremented (and decrements by `found_inf` after, as
+torch does: training/fused_adamw.py), and skips everything when `found_inf` is 1.  `adamw_` has
+no fallback here: `supported` says whether a list can go to the kernel, and the caller keeps
+torch's AdamW for the rest.
 """
 from __future__ import annotations
 
@@ -72,12 +73,12 @@ def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, bet
            eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None) -> None:
     """One AdamW step of every main weight (fp32) with its gradient (any float dtype), moments and
-    0-d fp32 step count, writing the updated weight into `models[i]` too where it is not None
-    (see csrc/adamw.cu for the formula).  Call only where `supported(...)` holds."""
+    0-d fp32 step count (already incremented for this step), writing the updated weight into
+    `models[i]` too where it is not None (see csrc/adamw.cu for the formula).  Call only where
+    `supported(...)` holds."""
     if not mains:
         return
     ext, device = load_extension(), mains[0].device
-    torch._foreach_add_(steps, 1.0)
     kinds: dict[tuple, list[int]] = {}
     for i, (g, model) in enumerate(zip(grads, models)):
         kinds.setdefault((g.dtype, None if model is None else model.dtype), []).append(i)
@@ -91,5 +92,3 @@ def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, bet
         model_like = None if model_dtype is None else models[members[0]]
         ext.multi_tensor_adamw(_table(rows, device), blocks, grads[members[0]], model_like, float(lr), float(beta1),
                                float(beta2), float(eps), float(weight_decay), grad_scale, found_inf)
-    if found_inf is not None:
-        torch._foreach_sub_(steps, [found_inf] * len(steps))

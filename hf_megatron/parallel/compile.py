@@ -50,10 +50,19 @@ _SCOPE = "_hf_megatron_compile_scope"
 SCOPES = ("layer", "decoder")
 
 
+def compile_scope(model: nn.Module) -> str | None:
+    """The scope `apply_compile` compiled `model` with, or None (not compiled)."""
+    return getattr(model, _SCOPE, None)
+
+
+def _recomputed(module: nn.Module) -> bool:
+    return getattr(module.forward, "hf_megatron_recompute", False)  # set by parallel/recompute.py
+
+
 def compiled_regions(model: nn.Module, scope: str | None = None) -> list[tuple[str, nn.Module]]:
     """(name, module) of each region `apply_compile` compiles (or compiled, `scope` None: the scope
     it was given, else "layer"): `decoder.layers.N` or `decoder`, and the loss."""
-    scope = scope or getattr(model, _SCOPE, "layer")
+    scope = scope or compile_scope(model) or "layer"
     regions = []
     for name, module in model.named_modules():
         per_layer = name.startswith("decoder.layers.") and name.count(".") == 2
@@ -72,16 +81,16 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
     no-op."""
     if scope not in SCOPES:
         raise ValueError(f"apply_compile: scope should be one of {SCOPES}, got {scope!r}")
-    if getattr(model, _SCOPE, scope) != scope:
-        raise ValueError(f"apply_compile: already compiled with scope {getattr(model, _SCOPE)!r}")
-    if scope == "decoder" and any(getattr(m.forward, "hf_megatron_recompute", False) for m in model.modules()):
+    if compile_scope(model) not in (None, scope):
+        raise ValueError(f"apply_compile: already compiled with scope {compile_scope(model)!r}")
+    if scope == "decoder" and any(_recomputed(m) for m in model.modules()):
         raise ValueError("apply_compile: scope 'decoder' with activation recompute applied; compile per layer "
                          "to recompute (the checkpoints would be traced inside the region)")
     setattr(model, _SCOPE, scope)
     for name, module in compiled_regions(model, scope):
         if getattr(module, _COMPILED, False):
             continue
-        if hasattr(module.forward, "__wrapped__"):  # recompute's functools.wraps'd checkpoint
+        if _recomputed(module):  # recompute's checkpoint around the forward
             raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
                              "then apply_recompute (the checkpoint must wrap the compiled forward)")
         module.forward = torch.compile(module.forward, mode=mode, backend=backend, **compile_kwargs)

@@ -182,7 +182,7 @@ class GradBuffer:
         if self.data is not None:
             return [p.main_grad for p in params]
         stashed = {id(p): g for p, g in self._stash or ()}
-        return [stashed.get(id(p)) if id(p) in stashed else torch.zeros_like(p) for p in params]
+        return [stashed[id(p)] if id(p) in stashed else torch.zeros_like(p) for p in params]
 
     # ------------------------------------------------------------- grads
     def zero(self, num_micro_batches: int | None = None) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .compile import compile_scope
 from .random import replayable
 
 GRANULARITIES = (None, "full", "selective")
@@ -39,7 +40,7 @@ def apply_recompute(model: nn.Module, granularity: str | None) -> nn.Module:
         raise ValueError(f"recompute granularity must be None, 'full' or 'selective', got {granularity!r}")
     if granularity is None:
         return model
-    if getattr(model, "_hf_megatron_compile_scope", None) == "decoder":  # parallel/compile.py
+    if compile_scope(model) == "decoder":
         raise ValueError("activation recompute cannot be applied inside a decoder compiled as one region "
                          "(its checkpoints would be traced there); compile per layer to recompute")
     for name, module in model.named_modules():

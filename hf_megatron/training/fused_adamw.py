@@ -60,24 +60,35 @@ def _state(optimizer, main: torch.Tensor) -> dict:
     return state
 
 
-def _groups(optimizer, mains: list[torch.Tensor]):
-    """Per param group: (indices into mains, their states, the group)."""
+def _each_group(optimizer, mains: list[torch.Tensor], found_inf: torch.Tensor | None, update) -> None:
+    """Per param group as torch's fused AdamW steps it: its step counts += 1, then
+    `update(members, states, steps, group)` (members: indices into mains), then the counts -=
+    found_inf (a skipped step is not counted)."""
     index = {id(m): i for i, m in enumerate(mains)}
     for group in optimizer.param_groups:
         members = [index[id(p)] for p in group["params"]]
-        yield members, [_state(optimizer, mains[i]) for i in members], group
+        if not members:
+            continue
+        states = [_state(optimizer, mains[i]) for i in members]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        update(members, states, steps, group)
+        if found_inf is not None:
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
 
 
 def step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list,
           grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
     """AdamW on `mains` (the optimizer's params, aligned with `grads`; `models[i]` the low-precision
     model tensor to overwrite with mains[i], or None) in the csrc kernel, where `usable` said so."""
-    for members, states, group in _groups(optimizer, mains):
+    def update(members, states, steps, group):
         beta1, beta2 = group["betas"]
         kernel.adamw_([mains[i] for i in members], [grads[i] for i in members], [s["exp_avg"] for s in states],
-                      [s["exp_avg_sq"] for s in states], [models[i] for i in members], [s["step"] for s in states],
+                      [s["exp_avg_sq"] for s in states], [models[i] for i in members], steps,
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
+
+    _each_group(optimizer, mains, found_inf, update)
 
 
 def torch_step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor],
@@ -93,16 +104,12 @@ def torch_step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor],
     if not all(m.device == device and m.dtype == dtype for m in mains) or not all(
             g.device == device and g.dtype == dtype for g in grads):
         return False
-    for members, states, group in _groups(optimizer, mains):
-        if not members:
-            continue
+    def update(members, states, steps, group):
         beta1, beta2 = group["betas"]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)
         torch._fused_adamw_([mains[i] for i in members], [grads[i] for i in members], [s["exp_avg"] for s in states],
                             [s["exp_avg_sq"] for s in states], [], steps, amsgrad=False, lr=group["lr"],
                             beta1=float(beta1), beta2=float(beta2), weight_decay=group["weight_decay"],
                             eps=group["eps"], maximize=False, grad_scale=grad_scale, found_inf=found_inf)
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+    _each_group(optimizer, mains, found_inf, update)
     return True

@@ -121,6 +121,10 @@ class MixedPrecisionOptimizer:
                                       lazy=self._lazy_grad_buffer())
         counted = {id(p) for c in self.chunks for n, p in c.named_parameters() if _counted_in_norm(c, n, p)}
         inner_groups = self._build_main_params(groups, counted)
+        # (model views, their main params) of the low-precision params, for the cast back after each
+        # update: fixed from here on (checkpoint loads copy into these tensors)
+        halves = self._halves()
+        self._cast_back = ([v for _, v in halves], [m for m, _ in halves])
         device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self.optimizer = make_adam(inner_groups, lr, betas, eps, device)
 
@@ -196,11 +200,11 @@ class MixedPrecisionOptimizer:
                                                              self._model_views)
         if self.precision_aware and not kernel:
             fused_adamw.warn_unusable()
+        if not self._fused_adamw(grads) or self.scaler.active:
+            return self._step_on_host(grads, kernel)
         flat = None
         if not kernel:
             grads, flat = self._widened(grads)
-        if not self._fused_adamw(grads) or self.scaler.active:
-            return self._step_on_host(grads, kernel, flat)
         norm = self.grad_norm_tensor(grads, flat)
         skipped = (~torch.isfinite(norm)).to(torch.float32)  # 0-d: AdamW subtracts it from each 0-d step count
         scale = ((norm + 1e-6) / self.clip_grad).clamp(min=1.0) if self.clip_grad and self.clip_grad > 0 else None
@@ -237,8 +241,9 @@ class MixedPrecisionOptimizer:
         torch._foreach_copy_([views[i] for i in low], [grads[i] for i in low])
         return views, flat if len(low) == len(grads) else None
 
-    def _step_on_host(self, grads, kernel: bool = False, flat=None) -> tuple[bool, float | None]:
-        if not kernel and flat is None:
+    def _step_on_host(self, grads, kernel: bool = False) -> tuple[bool, float | None]:
+        flat = None
+        if not kernel:
             grads, flat = self._widened(grads)
         if self.scaler.active:
             # fp16: unscale and look for inf/nan in one fused pass; every rank skips together
@@ -272,18 +277,10 @@ class MixedPrecisionOptimizer:
             return
         if not fused_adamw.torch_step_(self.optimizer, self.main_params, grads, grad_scale, found_inf):
             self._torch_step(grads, grad_scale, found_inf)
-        views, mains = self._cast_back_lists()
+        views, mains = self._cast_back
         if views:
             torch._foreach_copy_(views, mains)  # cast back, fused
         self._after_update()
-
-    def _cast_back_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(model views, their main params) of the low-precision params; fixed after __init__
-        (checkpoint loads copy into these tensors), so built once."""
-        if getattr(self, "_cast_back", None) is None:
-            halves = self._halves()
-            self._cast_back = ([v for _, v in halves], [m for m, _ in halves])
-        return self._cast_back
 
     def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:
         """`optimizer.step()` with the grads set as the main params' `.grad` (and cleared after)."""

@@ -53,8 +53,7 @@ def setup_parallel(cfg: TrainingConfig) -> state.ParallelState:
 
 def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
-    compile_options = {"scope": cfg.torch_compile_scope} if cfg.torch_compile_scope != "layer" else True
-    gpt_kwargs.setdefault("compile", compile_options if cfg.torch_compile else False)
+    gpt_kwargs.setdefault("compile", {"scope": cfg.torch_compile_scope} if cfg.torch_compile else False)
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
     if cfg.fp8_format is not None:
         gpt_kwargs.setdefault("fp8", (cfg.fp8_format, cfg.fp8_recipe))
