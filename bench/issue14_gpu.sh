@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 14 on one H200, one device call (<= 600 s) per stage, in this order (the last ones can wait);
+# Issue 14 on one H200, one device call (<= 600 s) per stage, in this order (the last ones can wait;
+# session 7 ran tests, speed and speed-gpt2 of the previous version: bench/RESULTS.md);
 # run from the repo root by the device tool, after installing the carried wheels into /tmp/site:
 #   STAGE=tests   bash bench/issue14_gpu.sh   # build csrc/, every GPU test of the step changes, then the
 #                                             # lr-3e-4 loss curves with their perturbed-init floor (~5 min)
@@ -27,19 +28,19 @@ tests)
     "fp8-format hybrid" "fp8-recipe rowwise_with_gw_hp" 2>&1 | tail -4
   ;;
 speed)
-  # lazy buffer vs its anchor, the csrc AdamW, the compiled fused loss (memory row), transformers' best
+  # the csrc AdamW (default) vs torch's fused AdamW, the compiled fused loss (memory row), transformers' best
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
-    ours-compile-full-buffer ours-compile ours-precision-aware ours-fused-ce 2>&1 | tail -9
+    ours-torch-adamw ours-compile ours-fused-ce 2>&1 | tail -9
   ;;
 speed-gpt2)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
-    ours-compile-full-buffer ours-compile ours-precision-aware ours-compile-decoder 2>&1 | tail -8
+    ours-torch-adamw ours-compile ours-compile-decoder 2>&1 | tail -8
   ;;
 curves)
   # a smoother definition: lr 1e-4 after 5 warm-up steps
   python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_1e-4.json" \
     --options default "default (again)" "default (perturbed init)" "fp8-format hybrid" cross-entropy-loss-fusion \
-    use-precision-aware-optimizer 2>&1 | tail -4
+    torch-adamw 2>&1 | tail -4
   ;;
 3b)
   python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \

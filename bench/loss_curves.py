@@ -24,7 +24,8 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     all                          the three together (bench/throughput.py's ours-float8)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
                                  (Megatron-LM's name); otherwise the row says it is absent
-    use-precision-aware-optimizer  --use-precision-aware-optimizer (csrc/adamw.cu steps AdamW)
+    torch-adamw                  torch's fused AdamW instead of csrc/adamw.cu (the default's AdamW on
+                                 CUDA since session 7; the same as default elsewhere)
 
 Data (`--data`): "text" (default) is real text: the Python standard library's own .py sources
 (docstrings, comments and code; files in sorted order from `sysconfig`'s stdlib folder) split into
@@ -72,7 +73,7 @@ OPTIONS = {
     "fp8 first-last-layers-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
-    "use-precision-aware-optimizer": {"use_precision_aware_optimizer": True},
+    "torch-adamw": {"_torch_adamw": True},
 }
 WORD = re.compile(r"\w+|[^\w\s]")
 
@@ -113,9 +114,10 @@ def perturbed(model: torch.nn.Module, relative: float) -> torch.nn.Module:
 
 def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, warmup: int = 2) -> list[float]:
     """The step losses of one option (raises ConfigError where the option cannot run here); a
-    field "_perturb" perturbs the initial weights (see `perturbed`) instead of configuring."""
+    field "_perturb" perturbs the initial weights (see `perturbed`), "_torch_adamw" steps with
+    torch's fused AdamW (MixedPrecisionOptimizer.precision_aware = False) instead of configuring."""
     fields = dict(fields)
-    perturb = fields.pop("_perturb", None)
+    perturb, torch_adamw = fields.pop("_perturb", None), fields.pop("_torch_adamw", False)
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     from hf_megatron.training.trainer import build_scheduler
@@ -129,6 +131,8 @@ def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, war
         chunks = build_model(source, cfg, device=device)
         del source
         optimizer = build_optimizer(chunks, cfg)
+        if torch_adamw:
+            optimizer.precision_aware = False
         scheduler = build_scheduler(optimizer, cfg)
         return [float(train_step(chunks, optimizer, scheduler, [batch])["loss"]) for batch in data]
     finally:

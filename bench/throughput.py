@@ -35,9 +35,10 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     ours-wgrad-fusion  ours-compile with --gradient-accumulation-fusion: the layers' weight-gradient
                   GEMMs accumulate into the fp32 main grads (parallel/wgrad.py)
     ours-compile-full-buffer  ours-compile with the fp32 grad buffer allocated up front and every
-                  backward folded into it (session 5's step; the anchor of the lazy buffer, grad_buffer.py)
-    ours-precision-aware  ours-compile with --use-precision-aware-optimizer: csrc/adamw.cu steps AdamW
-                  on the bf16 grads and writes the bf16 weights in the same pass (training/fused_adamw.py)
+                  backward folded into it, and torch's fused AdamW (session 5's step)
+    ours-torch-adamw  ours-compile with torch's fused AdamW on the widened grads and a cast back (session
+                  6's step) instead of csrc/adamw.cu, which by default on CUDA reads the bf16 grads and
+                  writes the bf16 weights in the same pass (training/fused_adamw.py)
     ours-compile-decoder  ours-compile with --torch-compile-scope decoder: the whole decoder stack one
                   compiled region (parallel/compile.py)
 
@@ -67,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
 
 VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
-            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-precision-aware", "ours-compile-decoder")
+            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-torch-adamw", "ours-compile-decoder")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -164,13 +165,13 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
-              precision_aware: bool = False, scope: str = "layer"):
+              torch_adamw: bool = False, scope: str = "layer"):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0,
                          fp8_format="hybrid" if float8 else None,
-                         gradient_accumulation_fusion=wgrad_fusion, use_precision_aware_optimizer=precision_aware)
+                         gradient_accumulation_fusion=wgrad_fusion)
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -182,6 +183,8 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
             from hf_megatron.training.optimizer import MixedPrecisionOptimizer
             MixedPrecisionOptimizer._lazy_grad_buffer = lambda self: False
         optimizer = build_optimizer(chunks, cfg)
+        if torch_adamw or full_buffer:  # torch's fused AdamW + cast back instead of csrc/adamw.cu
+            optimizer.precision_aware = False
     except BaseException:
         state.reset()
         raise
@@ -200,7 +203,7 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
     return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8",
                      fused_loss=variant in ("ours-fused-ce", "ours-float8"), wgrad_fusion=variant == "ours-wgrad-fusion",
                      full_buffer=variant == "ours-compile-full-buffer",
-                     precision_aware=variant == "ours-precision-aware",
+                     torch_adamw=variant == "ours-torch-adamw",
                      scope="decoder" if variant == "ours-compile-decoder" else "layer")
 
 

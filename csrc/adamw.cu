@@ -14,8 +14,10 @@
 //   p <- p - (lr / (1 - beta1^t)) m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   model <- round_M(p)                            (the low-precision copy, when there is one)
 // and nothing is written when *found_inf == 1. The scalar types and the order of operations are
-// those of torch's fused AdamW kernel (double hyper-parameters, float step, float element math), so
-// on the same inputs both give the same fp32 results; what this kernel adds is that the gradient
+// those of torch's fused AdamW kernel (aten/src/ATen/native/cuda/fused_adam_utils.cuh, torch >= 2.8:
+// every hyper-parameter cast to float once, float powers of the float step, the moments as fused
+// multiply-adds m + (1 - b)(g - m) written fma(b, m, fma(-b, g, g))), so on the same inputs both give
+// the same fp32 results; what this kernel adds is that the gradient
 // may be bf16/fp16 (read and widened in registers: no fp32 gradient copy) and that the cast back
 // into the model's weights happens in the same pass instead of a second one.
 //
@@ -45,18 +47,18 @@ __device__ __forceinline__ bool aligned_to(const void* p, int bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
-struct Hyper {
-  double lr, beta1, beta2, eps, weight_decay;
+struct Hyper {  // torch's opmath scalars: the double arguments rounded to float once, on the host
+  float lr, beta1, beta2, eps, weight_decay;
 };
 
-// One element of the update, in torch's fused AdamW's types (opmath float, double scalars).
+// One element of the update, in torch's fused AdamW's float arithmetic.
 __device__ __forceinline__ void adamw_math(float& param, float grad, float& exp_avg, float& exp_avg_sq,
                                            const Hyper& h, float step_size, float bias_correction2_sqrt,
                                            const float* grad_scale) {
-  if (grad_scale != nullptr) grad /= static_cast<double>(*grad_scale);
+  if (grad_scale != nullptr) grad /= *grad_scale;
   if (h.weight_decay != 0) param -= h.lr * h.weight_decay * param;
-  exp_avg = h.beta1 * exp_avg + (1 - h.beta1) * grad;
-  exp_avg_sq = h.beta2 * exp_avg_sq + (1 - h.beta2) * grad * grad;
+  exp_avg = std::fma(h.beta1, exp_avg, std::fma(-h.beta1, grad, grad));
+  exp_avg_sq = std::fma(h.beta2, exp_avg_sq, std::fma(-h.beta2, grad * grad, grad * grad));
   const float denom = (std::sqrt(exp_avg_sq) / bias_correction2_sqrt) + h.eps;
   param -= step_size * exp_avg / denom;
 }
@@ -79,10 +81,10 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restri
   const int64_t numel = row[kNumel];
   const int64_t hi = lo + kChunk < numel ? lo + kChunk : numel;
 
-  // as torch's kernel: the corrections in float, from double powers of a float step
-  const float bias_correction1 = 1 - ::pow(h.beta1, step);
+  // as torch's kernel: the corrections from float powers of the float step
+  const float bias_correction1 = 1 - std::pow(h.beta1, step);
   const float step_size = h.lr / bias_correction1;
-  const float bias_correction2 = 1 - ::pow(h.beta2, step);
+  const float bias_correction2 = 1 - std::pow(h.beta2, step);
   const float bias_correction2_sqrt = std::sqrt(bias_correction2);
 
   const bool packed = numel % kILP == 0 && aligned_to(main, 16) && aligned_to(exp_avg, 16) &&
@@ -181,7 +183,8 @@ void multi_tensor_adamw(const at::Tensor& table, const at::Tensor& blocks, const
   const float* inf = optional_scalar(found_inf, table, "found_inf");
   const c10::cuda::CUDAGuard guard(table.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const Hyper h{lr, beta1, beta2, eps, weight_decay};
+  const Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
+                static_cast<float>(eps), static_cast<float>(weight_decay)};
   const unsigned grid = static_cast<unsigned>(blocks.size(0));
   HFM_DISPATCH_FLOATING(grad_dtype, "multi_tensor_adamw", [&] {
     using G = scalar_t;

@@ -86,8 +86,8 @@ def test_sum_of_squares_equals_an_fp64_norm(dtype):
 
 
 def _train(path: str, monkeypatch, micro_batches: int):
-    """3 steps of a small bf16 MLP; path: "kernel" (lazy buffer + csrc AdamW), "lazy" (lazy buffer +
-    torch's fused AdamW on widened grads: the CUDA default) or "buffer" (fp32 buffer up front)."""
+    """3 steps of a small bf16 MLP; path: "kernel" (lazy buffer + csrc AdamW: the CUDA default), "lazy"
+    (lazy buffer + torch's fused AdamW on widened grads) or "buffer" (fp32 buffer up front + torch's)."""
     state.initialize()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(67, 4099), nn.GELU(), nn.Linear(4099, 31)).cuda().to(torch.bfloat16)
@@ -95,7 +95,7 @@ def _train(path: str, monkeypatch, micro_batches: int):
         if path == "buffer":
             patch.setattr(MixedPrecisionOptimizer, "_lazy_grad_buffer", lambda self: False)
         opt = MixedPrecisionOptimizer([model], lr=1e-2, weight_decay=0.1, clip_grad=0.5,
-                                      precision_aware=path == "kernel")
+                                      precision_aware=path == "kernel")  # False: torch's fused AdamW
         gen = torch.Generator(device="cuda").manual_seed(1)
         norms = []
         for _ in range(3):

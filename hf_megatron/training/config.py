@@ -170,11 +170,12 @@ class TrainingConfig:
                                    "main grad inside the weight-gradient GEMM (parallel/wgrad.py); Megatron-LM has "
                                    "it on unless --no-gradient-accumulation-fusion, here off until measured")
     use_precision_aware_optimizer: bool = option(
-        False, group="speed", help="step AdamW in hf_megatron's csrc kernel (training/fused_adamw.py): it reads bf16 "
-                                   "grads as they are and writes the bf16 weights in the same pass, with fp32 main "
-                                   "weights and moments as without it (Megatron-LM's flag runs Transformer Engine's "
-                                   "FusedAdam; its --main-grads-dtype / --exp-avg-dtype are not offered). CUDA only, "
-                                   "elsewhere torch's AdamW; off until measured on a GPU")
+        False, group="speed", help="AdamW steps in hf_megatron's csrc kernel (training/fused_adamw.py) by default on "
+                                   "CUDA anyway: it reads bf16 grads as they are and writes the bf16 weights in the "
+                                   "same pass, fp32 main weights and moments, torch's fused AdamW's arithmetic; "
+                                   "this flag only warns when the kernel cannot run (no CUDA, HF_MEGATRON_KERNELS=0, "
+                                   "a failed build), where torch's AdamW steps. Megatron-LM's flag runs Transformer "
+                                   "Engine's FusedAdam; its --main-grads-dtype / --exp-avg-dtype are not offered")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

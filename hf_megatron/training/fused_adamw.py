@@ -1,5 +1,5 @@
 """The mixed-precision optimizer's AdamW calls, on a torch.optim.AdamW's state: torch's own fused
-kernel called directly (`torch_step_`), or csrc/adamw.cu (`step_`, --use-precision-aware-optimizer).
+kernel called directly (`torch_step_`), or csrc/adamw.cu (`step_`: the default where it can run).
 
 torch's fused AdamW needs gradients of the main weights' dtype (fp32), and casting the updated
 main weights back into the bf16 model is a second pass over them.  The csrc kernel reads bf16

@@ -9,9 +9,11 @@ Precision.  Model params may be bf16/fp16/fp32.  Each param gets
   * for bf16/fp16 params an fp32 *main* copy that the optimizer updates, cast back into p after
     the step; fp32 params are their own main params.
 
-The update: torch's fused AdamW kernel, called directly (training/fused_adamw.py), or -- with
-`precision_aware` (--use-precision-aware-optimizer) on CUDA -- csrc's AdamW, which reads bf16
-grads as they are and writes the bf16 copy in the same pass; torch's `step()` otherwise.
+The update: on CUDA csrc's AdamW (training/fused_adamw.py), which reads bf16 grads as they are
+and writes the bf16 copy in the same pass, with torch's fused AdamW's arithmetic; where it cannot
+run (no CUDA, HF_MEGATRON_KERNELS=0, a failed build, other AdamW options) or `precision_aware` is
+False, torch's fused AdamW kernel called directly; torch's `step()` otherwise.  `precision_aware`
+True (--use-precision-aware-optimizer) asks for the csrc kernel and warns once when it cannot run.
 
 Loss scaling (fp16).  The loss is multiplied by S before backward; after the grad reductions the
 main grads are multiplied by 1/S.  If any grad on any rank is inf/nan the step is skipped; after
@@ -104,9 +106,10 @@ class MixedPrecisionOptimizer:
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
                  bucket_size: int | None = None, groups: list[dict] | None = None,
-                 precision_aware: bool = False) -> None:
+                 precision_aware: bool | None = None) -> None:
         self.chunks = list(chunks)
-        self.precision_aware = precision_aware  # step in csrc's AdamW where it can (training/fused_adamw.py)
+        # csrc's AdamW where it can run (None: silently; True: warn when it cannot); False: torch's AdamW
+        self.precision_aware = precision_aware
         self.clip_grad = clip_grad
         self.scaler = loss_scaler or LossScaler()
         groups = param_groups(self.chunks, weight_decay) if groups is None else [  # caller's groups kept
@@ -196,8 +199,8 @@ class MixedPrecisionOptimizer:
         it with the loss).  Otherwise the host decides as before and the result is the pair."""
         self.finish_grad_sync()
         grads = self._main_grads()
-        kernel = self.precision_aware and fused_adamw.usable(self.optimizer, self.main_params, grads,
-                                                             self._model_views)
+        kernel = self.precision_aware is not False and fused_adamw.usable(self.optimizer, self.main_params, grads,
+                                                                          self._model_views)
         if self.precision_aware and not kernel:
             fused_adamw.warn_unusable()
         if not self._fused_adamw(grads) or self.scaler.active:
@@ -332,7 +335,7 @@ class MixedPrecisionOptimizer:
             # of the widened grads, instead of a norm per tensor stacked and summed
             total = torch.linalg.vector_norm(whole, dtype=torch.float64).pow(2)
         elif counted and self.grad_buffer.data is None:  # lazy: the one backward's gradients, any dtype
-            total = sum_of_squares(counted, kernel=self.precision_aware).to(device)
+            total = sum_of_squares(counted, kernel=self.precision_aware is not False).to(device)
         elif counted:
             total = torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         for group in self._norm_groups():

@@ -78,7 +78,7 @@ def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = Non
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
                   bucket_size=cfg.ddp_bucket_size, groups=groups,
-                  precision_aware=cfg.use_precision_aware_optimizer)
+                  precision_aware=True if cfg.use_precision_aware_optimizer else None)  # None: csrc AdamW on CUDA
     if cfg.use_distributed_optimizer:
         return DistributedOptimizer(chunks, overlap_param_gather=cfg.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(chunks, **kwargs)
