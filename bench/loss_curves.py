@@ -59,6 +59,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (its model specs, model builder and memory cleanup)
+from provenance import header, provenance  # noqa: E402
 
 BASE = dict(bf16=True, clip_grad=1.0, weight_decay=0.01, lr_warmup_iters=2, lr_decay_style="constant")
 OPTIONS = {
@@ -147,7 +148,7 @@ def measure(spec, args) -> dict[str, dict]:
     results = {}
     for name in args.options:
         fields = OPTIONS[name]
-        missing = sorted(set(fields) - fields_known - {"_perturb"})
+        missing = sorted(set(fields) - fields_known - {"_perturb", "_torch_adamw"})
         if missing:
             results[name] = {"skipped": f"TrainingConfig has no field {', '.join(missing)} on this branch"}
         else:
@@ -204,6 +205,8 @@ def main() -> None:
     args = parser.parse_args()
     spec = throughput.spec_of(args.model, args.tiny, args.batch)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    record = provenance()
+    print(header(record), flush=True)
     print(f"device {device_name}; model {args.model}{' (tiny)' if args.tiny else ''}, batch {spec.batch} x seq "
           f"{spec.seq}, {args.steps} steps, data {args.data}, lr {args.lr}, warm-up {args.warmup_iters} steps", flush=True)
     results = measure(spec, args)
@@ -211,7 +214,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({"device": device_name, "model": args.model, "tiny": args.tiny,
                                               "batch": spec.batch, "seq": spec.seq, "data": args.data,
-                                              "lr": args.lr, "results": results}, indent=1))
+                                              "lr": args.lr, "warmup_iters": args.warmup_iters, **record,
+                                              "results": results}, indent=1))
     print(markdown(results, args.tolerance))
 
 

@@ -66,6 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matmul_peak import measure_bf16_peak  # noqa: E402
+from provenance import header, provenance  # noqa: E402
 
 VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
             "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-torch-adamw", "ours-compile-decoder")
@@ -333,6 +334,8 @@ def main() -> None:
     args.warmup = max(1, args.warmup or (1 if args.tiny else 3))
     peak = measure_bf16_peak(device=args.device) if args.device.startswith("cuda") else None
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    record = provenance()
+    print(header(record), flush=True)
     print(f"device {device_name}; measured bf16 matmul peak: "
           f"{f'{peak / 1e12:.0f} TFLOP/s' if peak else 'n/a (no CUDA)'}", flush=True)
     rows = []
@@ -346,7 +349,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     add_ratios(rows)
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": device_name, "bf16_peak_flops": peak, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"device": device_name, "bf16_peak_flops": peak, **record, "rows": rows},
+                                              indent=1))
     print(markdown(rows))
 
 
