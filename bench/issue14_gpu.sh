@@ -8,6 +8,7 @@
 #   STAGE=speed-gpt2 bash bench/issue14_gpu.sh   # GPT-2 medium likewise, with the decoder-scope compile (~5 min)
 #   STAGE=curves  bash bench/issue14_gpu.sh   # 20-step loss curves of the 1.2B at lr 1e-4 (~5 min)
 #   STAGE=3b      bash bench/issue14_gpu.sh   # the float8 row's 3B (seq 4096) beside transformers + compile (~4 min)
+#   STAGE=profile bash bench/issue14_gpu.sh   # where today's default step spends its GPU time and idle gaps (~5 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -45,5 +46,11 @@ curves)
 3b)
   python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \
     ours-compile ours-float8 2>&1 | tail -6
+  ;;
+profile)
+  # what is left of the 1.25x gap (bench/RESULTS.md session 7): kernel groups, top kernels, longest idle gaps
+  python3 bench/profile_step.py --model llama-1b --variants hf-compile ours-compile --gaps 8 \
+    --breakdown "other elementwise" "copy/cast" "compiled (triton)" 2>&1 | tee "$OUT/profile_llama.txt" | tail -60
+  python3 bench/profile_step.py --model gpt2-medium --variants ours-compile --gaps 8 2>&1 | tee "$OUT/profile_gpt2.txt" | tail -40
   ;;
 esac
