@@ -22,7 +22,7 @@ tests)
   # the optimizer step (csrc/adamw.cu, lazy buffer), the fused loss, kernels, wgrad fusion, float8
   python3 -m pytest -q -p no:cacheprovider -rfE tests/test_adamw_kernel_gpu.py tests/test_optimizer_clip_in_kernel.py \
     tests/test_fused_adamw_step.py tests/test_grad_buffer_fold.py tests/test_linear_loss.py tests/test_kernels_gpu.py \
-    tests/test_wgrad_fusion_gpu.py tests/test_float8.py tests/test_compile_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -25
+    tests/test_wgrad_fusion_gpu.py tests/test_float8.py tests/test_compile_gpu.py tests/test_deferred_steps.py 2>&1 | tee "$OUT/tests.log" | tail -25
   python3 bench/fused_loss_passes.py --device cuda --rows 1046 --vocab 128256 2>&1 | tail -5  # the 1.2B's chunk
   # sessions 4-5's definition (lr 3e-4 from step 2): does float8 depart more than a perturbed bf16 start?
   python3 bench/loss_curves.py --out "$OUT/curves_3e-4.json" --options default "default (perturbed init)" \
@@ -31,11 +31,11 @@ tests)
 speed)
   # the csrc AdamW (default) vs torch's fused AdamW, the compiled fused loss (memory row), transformers' best
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
-    ours-torch-adamw ours-compile ours-fused-ce 2>&1 | tail -9
+    ours-torch-adamw ours-compile ours-compile-deferred ours-fused-ce 2>&1 | tail -9
   ;;
 speed-gpt2)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
-    ours-torch-adamw ours-compile ours-compile-decoder 2>&1 | tail -8
+    ours-torch-adamw ours-compile ours-compile-deferred ours-compile-decoder 2>&1 | tail -8
   ;;
 curves)
   # a smoother definition: lr 1e-4 after 5 warm-up steps

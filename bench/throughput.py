@@ -41,6 +41,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   writes the bf16 weights in the same pass (training/fused_adamw.py)
     ours-compile-decoder  ours-compile with --torch-compile-scope decoder: the whole decoder stack one
                   compiled region (parallel/compile.py)
+    ours-compile-deferred  ours-compile stepped as `train --defer-step-stats` steps: each step read after
+                  the next one's forward and backward are queued (training/deferred.py)
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -69,7 +71,8 @@ from matmul_peak import measure_bf16_peak  # noqa: E402
 from provenance import header, provenance  # noqa: E402
 
 VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
-            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-torch-adamw", "ours-compile-decoder")
+            "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-torch-adamw", "ours-compile-decoder",
+            "ours-compile-deferred")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -166,7 +169,7 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
-              torch_adamw: bool = False, scope: str = "layer"):
+              torch_adamw: bool = False, scope: str = "layer", deferred: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -190,6 +193,20 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
         state.reset()
         raise
     micro_batches = [{"input_ids": ids, "targets": shift_labels(ids)}]
+    if deferred:
+        from hf_megatron.training.deferred import DeferredSteps
+        runner = DeferredSteps(chunks, optimizer, None)
+
+        def step() -> float:  # the previous step's loss (nan on the first call)
+            stats = runner.step(micro_batches)
+            return stats["loss"] if stats is not None else float("nan")
+
+        def flush() -> float | None:  # launch and read the step queued last, if any
+            stats = runner.finish()
+            return None if stats is None else stats["loss"]
+
+        step.flush = flush
+        return step, state.reset
 
     def step() -> float:
         return train_step(chunks, optimizer, None, micro_batches)["loss"]
@@ -205,7 +222,8 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
                      fused_loss=variant in ("ours-fused-ce", "ours-float8"), wgrad_fusion=variant == "ours-wgrad-fusion",
                      full_buffer=variant == "ours-compile-full-buffer",
                      torch_adamw=variant == "ours-torch-adamw",
-                     scope="decoder" if variant == "ours-compile-decoder" else "layer")
+                     scope="decoder" if variant == "ours-compile-decoder" else "layer",
+                     deferred=variant == "ours-compile-deferred")
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:
@@ -217,17 +235,24 @@ def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: f
     try:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        flush = getattr(step, "flush", None)  # a deferred step: its last update is launched by flush()
         start = time.perf_counter()
         first_loss = float(step())
+        if flush is not None:
+            first_loss = flush()
         sync()
         first_step_s = time.perf_counter() - start
         for _ in range(args.warmup - 1):
             step()
+        if flush is not None:
+            flush()
         sync()
         warmup_s = time.perf_counter() - start
         start = time.perf_counter()
         for _ in range(args.steps):
             loss = step()
+        if flush is not None:
+            loss = flush()
         sync()
         step_s = (time.perf_counter() - start) / args.steps
     finally:

@@ -114,9 +114,10 @@ def training_config(layout: dict, hp: dict = HP, **extra):
 
 
 def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | None = None,
-            hf_overrides: dict | None = None, **extra) -> dict:
+            hf_overrides: dict | None = None, deferred: bool = False, **extra) -> dict:
     """Train with hf_megatron in the current process group; losses and this rank's weights.
-    `hf_overrides` go to the HF config (e.g. dropout), `extra` to TrainingConfig."""
+    `hf_overrides` go to the HF config (e.g. dropout), `extra` to TrainingConfig; `deferred`: step
+    with training/deferred.py (each step read after the next one's forward and backward)."""
     from hf_megatron.parallel import state
     from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
         train_step
@@ -127,7 +128,13 @@ def our_run(arch: str, layout: dict, batches: list[dict], keep_alive: list | Non
         keep_alive.append(chunks)  # the pipeline caches schedules by chunk id: no id reuse
     optimizer = build_optimizer(chunks, cfg)
     scheduler = build_scheduler(optimizer, cfg)
-    stats = [train_step(chunks, optimizer, scheduler, split_batch(engine_batch(b), cfg)) for b in batches]
+    if deferred:
+        from hf_megatron.training.deferred import DeferredSteps
+        runner = DeferredSteps(chunks, optimizer, scheduler)
+        stats = [s for b in batches if (s := runner.step(split_batch(engine_batch(b), cfg))) is not None]
+        stats.append(runner.finish())
+    else:
+        stats = [train_step(chunks, optimizer, scheduler, split_batch(engine_batch(b), cfg)) for b in batches]
     state_numel = sum(v["exp_avg"].numel() for v in optimizer.optimizer.state.values())
     result = {"losses": [s["loss"] for s in stats], "stats": stats, "state": global_state_dict(chunks),
               "adam_state_numel": state_numel, "param_numel": sum(p.numel() for p in optimizer.model_params),

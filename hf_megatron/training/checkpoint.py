@@ -112,12 +112,15 @@ def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any]) -> dic
 
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
-                    extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None,
+                    rng_state: dict[str, Any] | None = None) -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
     level of every file; the model card of `hf-megatron push` reports `consumed_train_samples`,
     `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
     `args` namespace (e.g. seq_length).  Re-saving an iteration replaces it whole; entries of
-    `extra` / `args` given as None keep the value the earlier save recorded."""
+    `extra` / `args` given as None keep the value the earlier save recorded.  `rng_state`: this
+    process's RNG entry (default: the current state; training/deferred.py passes the one its
+    returned step left)."""
     chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     final = Path(save_dir) / iter_dir_name(iteration)
@@ -144,7 +147,7 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         optimizer.parameter_state(place)
     if dp_rank == 0 and cp_rank == 0:
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
-        payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[get_rng_state()],
+        payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[rng_state or get_rng_state()],
                                optimizer=optim_state,
                                opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
         write_rank_file(rank_dir, payload)

@@ -176,6 +176,11 @@ class TrainingConfig:
                                    "this flag only warns when the kernel cannot run (no CUDA, HF_MEGATRON_KERNELS=0, "
                                    "a failed build), where torch's AdamW steps. Megatron-LM's flag runs Transformer "
                                    "Engine's FusedAdam; its --main-grads-dtype / --exp-avg-dtype are not offered")
+    defer_step_stats: bool = option(
+        False, group="speed", help="hf-megatron train reads each step's loss and grad norm after the next step's "
+                                   "forward and backward are queued, so the GPU does not wait for the host between "
+                                   "steps (training/deferred.py); the same numbers, logs, evaluations and "
+                                   "checkpoints; off until measured on a GPU")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:

@@ -126,6 +126,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
     from ..checkpoint.files import TRACKER, read_tracker
     from ..data.builder import build_datasets
     from .checkpoint import restore_rng, save_checkpoint
+    from .deferred import DeferredSteps
     from .preflight import used_splits
     from .restore import build_training_state
 
@@ -159,6 +160,36 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         monitor.note(why_not)
     monitor.start(iteration, gbs)
 
+    runner = DeferredSteps(chunks, optimizer, scheduler) if cfg.defer_step_stats else None
+
+    def planned_stop(at: int) -> bool:
+        """An evaluation, a save or --exit-interval is due after iteration `at`."""
+        return any(interval and at % interval == 0 for interval in (
+            run.eval_interval if valid_ds is not None else None, run.save_interval if run.save else None,
+            exits.exit_interval))
+
+    def steps():
+        """Each step's stats in order.  With --defer-step-stats (training/deferred.py) the next batch's
+        forward and backward are queued before a step is read, except after a step that an
+        evaluation, a save or --exit-interval follows: that one is finished alone, so the evaluation
+        (whose data draws from the RNG) comes before the next step's dropout, as without the flag."""
+        queued = 0
+        while iteration + queued < cfg.train_iters:
+            micro = next(batches, None)
+            if micro is None:
+                break
+            if runner is None:
+                yield trainer.train_step(chunks, optimizer, scheduler, micro)
+                continue
+            stats, queued = runner.step(micro), 1
+            if stats is not None:
+                yield stats
+            if planned_stop(iteration + 1):  # the step just queued
+                stats, queued = runner.finish(), 0
+                yield stats
+        if runner is not None and (stats := runner.finish()) is not None:
+            yield stats
+
     def save(at: int, loss) -> None:
         # the data position also in `args`, where Megatron-LM reads it when it resumes our checkpoint
         # (and the run's data fields: `hf-megatron evaluate` rebuilds this run's validation data from them)
@@ -170,15 +201,12 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
             tokenizer_files.copy_into_save(tokenizer, run.save)
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "loss": loss,
-                               "train_tokens": consumed * run.seq_length})
+                               "train_tokens": consumed * run.seq_length},
+                        rng_state=runner.rng_state() if runner is not None else None)
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
     history, last, saved_at, exit_reason = [], {}, None, None
-    while iteration < cfg.train_iters:
-        micro = next(batches, None)
-        if micro is None:
-            break
-        stats = trainer.train_step(chunks, optimizer, scheduler, micro)
+    for stats in steps():
         iteration += 1
         consumed += gbs
         non_finite = _non_finite(stats, cfg)

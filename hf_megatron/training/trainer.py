@@ -128,40 +128,86 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     update); the last reduces the summed grads and steps once.
 
     Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
-    `loss_scale` are the values this step used."""
+    `loss_scale` are the values this step used.  (training/deferred.py runs the same three parts with
+    each step's read moved after the next step's forward and backward.)"""
+    step = queue_forward_backward(chunks, optimizer, micro_batches, fresh=fresh, loss_weight=loss_weight,
+                                  reduce=not accumulate)
+    if accumulate:
+        return read_step(step, optimizer, None)
+    queue_update(step, chunks, optimizer)
+    return read_step(step, optimizer, scheduler)
+
+
+class QueuedStep:
+    """One step's device-side results: `totals` = [loss sum, target tokens] (+ [grad norm, skipped]
+    when the update was queued without a host sync), `launched` = launch_step's result, and the
+    loss scale and lr it used.  `host` / `ready`: a pinned copy of `totals` and the CUDA event after
+    it, when the read is deferred (`queue_update(..., copy=True)`)."""
+
+    def __init__(self, totals: torch.Tensor, loss_scale: float) -> None:
+        self.totals, self.loss_scale = totals, loss_scale
+        self.launched, self.lr, self.host, self.ready = None, None, None, None
+
+
+def queue_forward_backward(chunks, optimizer, micro_batches: list[dict], *, fresh: bool = True,
+                           loss_weight: float = 1.0, reduce: bool = True) -> QueuedStep:
+    """Zero the grads (`fresh`), then queue every micro batch's forward and backward; nothing is read
+    on the host.  `reduce`: this is the step's last call (with overlap the grad buckets reduce
+    during its last micro batch)."""
     grid = state.get_state()
     for chunk in chunks:
         if not chunk.training:  # after evaluate(); Module.train() walks every submodule (~1 ms of host
             chunk.train()       # time per step for GPT-2 medium's 274 modules, before the forward may start)
     if fresh:
         # overlap: buckets reduce in the last micro batch -- not when more calls accumulate into this step
-        optimizer.zero_grad(num_micro_batches=None if accumulate else len(micro_batches))
+        optimizer.zero_grad(num_micro_batches=len(micro_batches) if reduce else None)
     device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
                          grid.group("dp")).clamp(min=1.0)
-    loss_scale, lr = optimizer.loss_scale, optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
+    loss_scale = optimizer.loss_scale
     # the token count stays on the device (a 0-d fp32 scale, the value a Python float would be
     # rounded to): no host sync before the forward, so it queues behind the previous step's update
     scale = (loss_scale * loss_weight / tokens).to(torch.float32)
     out = pipeline.forward_backward(chunks, micro_batches, loss_scale=scale)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
-    totals = torch.cat([loss_sum, tokens.reshape(1)])
-    launched = None
-    if not accumulate:
-        optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
-        sync_sequence_parallel_grads(optimizer.model_params)
-        pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
-        launched = optimizer.launch_step()  # queued without a host sync where it can be
-        if isinstance(launched, torch.Tensor):  # [norm, skipped], read with the loss below
-            totals = torch.cat([totals, launched])
-    # one host sync per step: loss, token count (and the grad norm, when the update was queued on the device)
-    host = totals.tolist()
+    return QueuedStep(torch.cat([loss_sum, tokens.reshape(1)]), loss_scale)
+
+
+def queue_update(step: QueuedStep, chunks, optimizer, copy: bool = False) -> None:
+    """Reduce the grads and queue the update (Megatron's finalize_model_grads, then the optimizer);
+    `copy`: also queue a copy of the step's totals into pinned host memory and an event after it, so
+    that `read_step` later waits for this step only, not for what was queued after it."""
+    step.lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
+    optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
+    sync_sequence_parallel_grads(optimizer.model_params)
+    pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
+    step.launched = optimizer.launch_step()  # queued without a host sync where it can be
+    if isinstance(step.launched, torch.Tensor):  # [norm, skipped], read with the loss
+        step.totals = torch.cat([step.totals, step.launched])
+    if copy and step.totals.is_cuda:
+        step.host = torch.empty(step.totals.shape, dtype=step.totals.dtype, pin_memory=True)
+        step.host.copy_(step.totals, non_blocking=True)
+        step.ready = torch.cuda.Event()
+        step.ready.record()
+
+
+def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dict[str, Any]:
+    """The step's stats, read on the host (the step's one sync), and the LR schedule advanced after a
+    real update (before the next step's `queue_update` reads the lr).  An accumulating call (no
+    update queued) reports its loss only."""
+    if step.ready is not None:
+        step.ready.synchronize()
+        host = step.host.tolist()
+    else:
+        host = step.totals.tolist()
     loss_total, global_tokens = host[:2]
-    result = {"loss": loss_total / global_tokens, "grad_norm": None, "lr": lr, "skipped": False,
-              "loss_scale": loss_scale, "num_tokens": int(global_tokens)}
-    if accumulate:
+    result = {"loss": loss_total / global_tokens, "grad_norm": None,
+              "lr": step.lr if step.lr is not None else (optimizer.param_groups[0]["lr"] if optimizer.param_groups
+                                                          else 0.0),
+              "skipped": False, "loss_scale": step.loss_scale, "num_tokens": int(global_tokens)}
+    if step.launched is None:
         return result
-    updated, grad_norm = optimizer.finish_step(launched, host[2:] or None)
+    updated, grad_norm = optimizer.finish_step(step.launched, host[2:] or None)
     if updated and scheduler is not None:
         scheduler.step()
     return {**result, "grad_norm": grad_norm, "skipped": not updated}
