@@ -177,7 +177,7 @@ def queue_update(step: QueuedStep, chunks, optimizer, copy: bool = False) -> Non
     """Reduce the grads and queue the update (Megatron's finalize_model_grads, then the optimizer);
     `copy`: also queue a copy of the step's totals into pinned host memory and an event after it, so
     that `read_step` later waits for this step only, not for what was queued after it."""
-    step.lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
+    step.lr = _current_lr(optimizer)
     optimizer.finish_grad_sync()  # dp sum of the grad buffer (launched during backward with overlap)
     sync_sequence_parallel_grads(optimizer.model_params)
     pipeline.allreduce_embedding_grads(chunks)  # tied embeddings (fp32 main_grad)
@@ -191,6 +191,10 @@ def queue_update(step: QueuedStep, chunks, optimizer, copy: bool = False) -> Non
         step.ready.record()
 
 
+def _current_lr(optimizer) -> float:
+    return optimizer.param_groups[0]["lr"] if optimizer.param_groups else 0.0
+
+
 def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dict[str, Any]:
     """The step's stats, read on the host (the step's one sync), and the LR schedule advanced after a
     real update (before the next step's `queue_update` reads the lr).  An accumulating call (no
@@ -202,8 +206,7 @@ def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dic
         host = step.totals.tolist()
     loss_total, global_tokens = host[:2]
     result = {"loss": loss_total / global_tokens, "grad_norm": None,
-              "lr": step.lr if step.lr is not None else (optimizer.param_groups[0]["lr"] if optimizer.param_groups
-                                                          else 0.0),
+              "lr": step.lr if step.lr is not None else _current_lr(optimizer),
               "skipped": False, "loss_scale": step.loss_scale, "num_tokens": int(global_tokens)}
     if step.launched is None:
         return result
