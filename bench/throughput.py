@@ -43,6 +43,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   compiled region (parallel/compile.py)
     ours-compile-deferred  ours-compile stepped as `train --defer-step-stats` steps: each step read after
                   the next one's forward and backward are queued (training/deferred.py)
+    ours-compile-budget-0.8, ours-compile-budget-0.5  ours-compile with --activation-memory-budget 0.8 /
+                  0.5: the partitioner recomputes the cheapest activations instead of saving them
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -72,7 +74,7 @@ from provenance import header, provenance  # noqa: E402
 
 VARIANTS = ("hf-eager", "hf-compile", "hf-liger", "ours", "ours-compile", "ours-fused-ce", "ours-float8",
             "ours-wgrad-fusion", "ours-compile-full-buffer", "ours-torch-adamw", "ours-compile-decoder",
-            "ours-compile-deferred")
+            "ours-compile-deferred", "ours-compile-budget-0.8", "ours-compile-budget-0.5")
 LIGER = {"llama": "apply_liger_kernel_to_llama"}  # liger-kernel has no GPT-2 patch
 NO_DROPOUT = {"gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), "llama": {}}
 
@@ -169,7 +171,8 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
 
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
-              torch_adamw: bool = False, scope: str = "layer", deferred: bool = False):
+              torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
+              memory_budget: float | None = None):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -181,7 +184,8 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
         source = hf_model(spec, device)
         # float8 (cfg.fp8_format): build_model swaps the float8 linears in before the regional compile
         chunks = build_model(source, cfg, device=device, fused_loss=fused_loss,
-                             compile={"mode": compile_mode, "scope": scope} if compile else False)
+                             compile={"mode": compile_mode, "scope": scope, "memory_budget": memory_budget}
+                             if compile else False)
         del source
         if full_buffer:  # the anchor (this child process only): the grad buffer allocated up front
             from hf_megatron.training.optimizer import MixedPrecisionOptimizer
@@ -223,7 +227,8 @@ def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, i
                      full_buffer=variant == "ours-compile-full-buffer",
                      torch_adamw=variant == "ours-torch-adamw",
                      scope="decoder" if variant == "ours-compile-decoder" else "layer",
-                     deferred=variant == "ours-compile-deferred")
+                     deferred=variant == "ours-compile-deferred",
+                     memory_budget=float(variant.rsplit("-", 1)[1]) if "-budget-" in variant else None)
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:

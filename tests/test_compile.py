@@ -165,3 +165,51 @@ def test_inductor_compiled_layers_match_eager():
     hf = tiny_hf_model("gpt2")
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     assert_same(forward_backward(build_model(hf, compile=True), ids), forward_backward(build_model(hf), ids))
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes autograd keeps for backward (distinct storages, parameters left out)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, targets=ids).loss
+    loss.backward()
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def test_memory_budget_recomputes_instead_of_saving_with_eager_numbers():
+    """--activation-memory-budget: AOTAutograd's partitioner (aot_eager runs it as inductor would)
+    keeps fewer activations, the numbers stay eager's, and torch's global setting is left alone."""
+    hf = tiny_hf_model("llama")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = build_model(hf)
+    default = build_model(hf, compile={"backend": "aot_eager"})
+    forward_backward(default, ids)
+    saved_default = _saved_bytes(default, ids)
+    torch._dynamo.reset()  # dynamo shares a layer's compiled graph between models of one process
+    budget = build_model(hf, compile={"backend": "aot_eager", "memory_budget": 0.5})
+    assert_same(forward_backward(budget, ids), forward_backward(eager, ids))
+    assert _saved_bytes(budget, ids) < 0.8 * saved_default
+    assert torch._functorch.config.activation_memory_budget == 1.0
+    with pytest.raises(ValueError, match="memory_budget should be > 0 and < 1"):
+        apply_compile(tiny_hf_model_chunk(), memory_budget=1.0)
+
+
+def tiny_hf_model_chunk():
+    return build_model(tiny_hf_model("llama"))
+
+
+def test_memory_budget_flag_needs_compile():
+    from hf_megatron.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"activation_memory_budget \(--activation-memory-budget 0.5\): "
+                                          "expected --torch-compile as well"):
+        training_config({}, activation_memory_budget=0.5)
+    for bad in (0.0, 1.0):
+        with pytest.raises(ConfigError, match="activation_memory_budget"):
+            training_config({}, torch_compile=True, activation_memory_budget=bad)
+    assert training_config({}, torch_compile=True, activation_memory_budget=0.5).activation_memory_budget == 0.5

@@ -33,6 +33,14 @@ Order with recompute (checked by tests/test_compile.py):
   the checkpoint).  Correct, a little less fused; with SDPA's flash/efficient kernels core
   attention saves no s x s activations anyway, so under compile prefer no recompute or "full".
 
+Memory budget (`--activation-memory-budget B`, 0 < B < 1; torchtitan's `memory_budget` mode): each
+region's first call runs with torch's `torch._functorch.config.activation_memory_budget` = B, so
+AOTAutograd's partitioner saves at most about B of the activations its default choice keeps and
+recomputes the cheapest of the rest in backward (pointwise and norm passes first), instead of a
+checkpoint of whole layers.  The config is set only around the region's calls: other compiled code
+in the process keeps torch's default.  (Dynamo caches a layer's graph per code object, so in one
+process the first model to compile a layer decides its budget for later models of the same class.)
+
 Tensor parallelism: the collectives of `parallel.comm` (autograd Functions around
 torch.distributed calls) trace into the graph without a break.  The tensor-parallel RNG fork
 (`random.tp_rng`, around core attention and, with sequence parallelism, around dropouts) reads and
@@ -42,7 +50,10 @@ without SP), just split into more compiled pieces.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch._functorch.config
 from torch import nn
 
 _COMPILED = "_hf_megatron_compiled"
@@ -71,16 +82,34 @@ def compiled_regions(model: nn.Module, scope: str | None = None) -> list[tuple[s
     return regions
 
 
+def _under_budget(forward, budget: float):
+    """`forward` run with the partitioner's activation memory budget set to `budget` (and restored)."""
+    config = torch._functorch.config
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        previous = config.activation_memory_budget
+        config.activation_memory_budget = budget
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            config.activation_memory_budget = previous
+
+    return run
+
+
 def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor", scope: str = "layer",
-                  **compile_kwargs) -> nn.Module:
+                  memory_budget: float | None = None, **compile_kwargs) -> nn.Module:
     """Compile each transformer layer (`scope` "decoder": the whole decoder stack) and the vocab
     loss of `model` in place; returns model.
 
-    `mode` and `backend` (and any other keyword) go to `torch.compile`.  Apply after
-    `parallelize` and before `apply_recompute` (see the module docstring); applying twice is a
-    no-op."""
+    `mode` and `backend` (and any other keyword) go to `torch.compile`; `memory_budget` (0 < B < 1,
+    see the module docstring) to AOTAutograd's partitioner.  Apply after `parallelize` and before
+    `apply_recompute` (see the module docstring); applying twice is a no-op."""
     if scope not in SCOPES:
         raise ValueError(f"apply_compile: scope should be one of {SCOPES}, got {scope!r}")
+    if memory_budget is not None and not 0 < memory_budget < 1:
+        raise ValueError(f"apply_compile: memory_budget should be > 0 and < 1, got {memory_budget!r}")
     if compile_scope(model) not in (None, scope):
         raise ValueError(f"apply_compile: already compiled with scope {compile_scope(model)!r}")
     if scope == "decoder" and any(_recomputed(m) for m in model.modules()):
@@ -94,6 +123,8 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
             raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
                              "then apply_recompute (the checkpoint must wrap the compiled forward)")
         module.forward = torch.compile(module.forward, mode=mode, backend=backend, **compile_kwargs)
+        if memory_budget is not None:
+            module.forward = _under_budget(module.forward, memory_budget)
         if hasattr(module, "compile_chunks"):  # the fused output layer + loss (parallel/linear_loss.py)
             module.compile_chunks(mode=mode, backend=backend, **compile_kwargs)
         setattr(module, _COMPILED, True)

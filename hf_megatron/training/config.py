@@ -145,6 +145,12 @@ class TrainingConfig:
              "layer: short compile); decoder = this stage's whole decoder stack as one region (longer compile, "
              "one compiled call per pass instead of one per layer, fusion across layers; not with "
              "--recompute-granularity)")
+    activation_memory_budget: float | None = option(
+        None, group="speed", above=0.0, below=1.0,
+        help="with --torch-compile: the compiled regions save at most about this fraction of the activations "
+             "torch's partitioner keeps by default and recompute the cheapest rest in backward (torch's "
+             "activation_memory_budget, torchtitan's memory_budget mode): less memory for some recompute "
+             "(default: off)")
     cross_entropy_loss_fusion: bool = option(
         False, group="speed", help="output layer + cross entropy in chunks, no whole [tokens, vocab] logits: less "
                                    "memory, a few %% slower (bench/RESULTS.md)")
@@ -195,6 +201,9 @@ class TrainingConfig:
         if self.torch_compile_scope != "layer" and not self.torch_compile:
             raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope {self.torch_compile_scope}): "
                               "expected --torch-compile as well")
+        if self.activation_memory_budget is not None and not self.torch_compile:
+            raise ConfigError(f"TrainingConfig.activation_memory_budget (--activation-memory-budget "
+                              f"{self.activation_memory_budget:g}): expected --torch-compile as well")
         if self.torch_compile_scope == "decoder" and self.recompute_granularity is not None:
             raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope decoder): expected no "
                               f"--recompute-granularity (got {self.recompute_granularity}); use "
