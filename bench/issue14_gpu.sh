@@ -9,6 +9,7 @@
 #   STAGE=curves  bash bench/issue14_gpu.sh   # 20-step loss curves of the 1.2B at lr 1e-4 (~5 min)
 #   STAGE=3b      bash bench/issue14_gpu.sh   # the float8 row's 3B (seq 4096) beside transformers + compile (~4 min)
 #   STAGE=profile bash bench/issue14_gpu.sh   # where today's default step spends its GPU time and idle gaps (~5 min)
+#   STAGE=xl      bash bench/issue14_gpu.sh   # GPT-2 XL, last measured in session 5 (1.08x) (~5 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -47,6 +48,10 @@ curves)
 3b)
   python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \
     ours-compile ours-float8 2>&1 | tail -6
+  ;;
+xl)
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-xl --out "$OUT/gpt2xl.json" --variants hf-compile \
+    ours-torch-adamw ours-compile ours-compile-deferred 2>&1 | tail -7
   ;;
 profile)
   # what is left of the 1.25x gap (bench/RESULTS.md session 7): kernel groups, top kernels, longest idle gaps
