@@ -33,11 +33,11 @@ speed)
   # the csrc AdamW (default) vs torch's fused AdamW, the compiled fused loss (memory row), transformers' best
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
     ours-torch-adamw ours-compile ours-compile-deferred ours-fused-ce ours-compile-budget-0.8 \
-    ours-compile-budget-0.5 2>&1 | tail -11
+    ours-compile-budget-0.5 ours-compile+deferred+budget-0.8 2>&1 | tail -12
   ;;
 speed-gpt2)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
-    ours-torch-adamw ours-compile ours-compile-deferred ours-compile-decoder 2>&1 | tail -8
+    ours-torch-adamw ours-compile ours-compile-deferred ours-compile-decoder ours-compile+deferred+decoder 2>&1 | tail -9
   ;;
 curves)
   # a smoother definition: lr 1e-4 after 5 warm-up steps

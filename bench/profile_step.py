@@ -106,7 +106,7 @@ def profile_variant(name: str, variant: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(throughput.MODELS), default="gpt2-medium")
-    parser.add_argument("--variants", nargs="+", choices=throughput.VARIANTS, default=["hf-compile", "ours-compile"])
+    parser.add_argument("--variants", nargs="+", type=throughput.variant_name, default=["hf-compile", "ours-compile"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)

@@ -45,6 +45,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   the next one's forward and backward are queued (training/deferred.py)
     ours-compile-budget-0.8, ours-compile-budget-0.5  ours-compile with --activation-memory-budget 0.8 /
                   0.5: the partitioner recomputes the cheapest activations instead of saving them
+    ours-X+M+...  an ours-* variant with more options (MODIFIERS: +fused-ce +float8 +wgrad-fusion
+                  +torch-adamw +decoder +deferred, or +budget-B), e.g. ours-compile+deferred+decoder
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -218,17 +220,51 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     return step, state.reset
 
 
+MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-compile+deferred+decoder)
+    "fused-ce": {"fused_loss": True}, "float8": {"float8": True, "fused_loss": True},
+    "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
+    "deferred": {"deferred": True}}
+
+
+def ours_options(variant: str) -> dict:
+    """ours_step's options of an ours-* variant, with any "+modifier" (MODIFIERS, or budget-B) applied."""
+    base, *extra = variant.split("+")
+    options = dict(compile=base != "ours", float8=base == "ours-float8",
+                   fused_loss=base in ("ours-fused-ce", "ours-float8"), wgrad_fusion=base == "ours-wgrad-fusion",
+                   full_buffer=base == "ours-compile-full-buffer", torch_adamw=base == "ours-torch-adamw",
+                   scope="decoder" if base == "ours-compile-decoder" else "layer",
+                   deferred=base == "ours-compile-deferred",
+                   memory_budget=float(base.rsplit("-", 1)[1]) if "-budget-" in base else None)
+    for name in extra:
+        options.update({"memory_budget": float(name[len("budget-"):])} if name.startswith("budget-")
+                       else MODIFIERS[name])
+    return options
+
+
+def variant_name(text: str) -> str:
+    """argparse type: one of VARIANTS, or an ours-* one followed by "+modifier"s."""
+    base, *extra = text.split("+")
+    ok = base in VARIANTS and (not extra or base.startswith("ours"))
+    for name in extra:
+        if name.startswith("budget-"):
+            try:
+                ok = ok and 0 < float(name[len("budget-"):]) < 1
+            except ValueError:
+                ok = False
+        else:
+            ok = ok and name in MODIFIERS
+    if not ok:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(VARIANTS)}, an ours-* one optionally "
+                                         f"followed by +{' +'.join(MODIFIERS)} or +budget-B (0 < B < 1)")
+    return text
+
+
 def make_step(spec: Spec, variant: str, device: str, compile_mode: str | None, ids: torch.Tensor, lr: float):
-    """(step function, cleanup or None) for one variant of VARIANTS."""
+    """(step function, cleanup or None) for one variant (variant_name)."""
     if variant.startswith("hf"):
         return hf_step(spec, device, variant == "hf-compile", compile_mode, ids, lr=lr, liger=variant == "hf-liger")
-    return ours_step(spec, device, variant != "ours", compile_mode, ids, lr=lr, float8=variant == "ours-float8",
-                     fused_loss=variant in ("ours-fused-ce", "ours-float8"), wgrad_fusion=variant == "ours-wgrad-fusion",
-                     full_buffer=variant == "ours-compile-full-buffer",
-                     torch_adamw=variant == "ours-torch-adamw",
-                     scope="decoder" if variant == "ours-compile-decoder" else "layer",
-                     deferred=variant == "ours-compile-deferred",
-                     memory_budget=float(variant.rsplit("-", 1)[1]) if "-budget-" in variant else None)
+    options = ours_options(variant)
+    return ours_step(spec, device, options.pop("compile"), compile_mode, ids, lr=lr, **options)
 
 
 def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: float | None) -> dict:
@@ -338,7 +374,9 @@ def measure_in_child(name, variant, args, peak) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(DEFAULT_MODELS))
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", type=variant_name, default=list(VARIANTS),
+                        help=f"of {', '.join(VARIANTS)}; an ours-* variant may add +{' +'.join(MODIFIERS)} or "
+                             "+budget-B (e.g. ours-compile+deferred+decoder)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 10; 1 with --tiny)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps, >= 1 (default 3; 1 with --tiny)")
     parser.add_argument("--device", default="cuda")
