@@ -41,20 +41,13 @@ import throughput  # noqa: E402
 def build(before: bool, compile=False, hidden: int = 64):
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel
-    from hf_megatron.training.optimizer import MixedPrecisionOptimizer
     spec = throughput.Spec("gpt2", 2, 32, dict(n_embd=hidden, n_layer=24, n_head=4, vocab_size=300,
                                                 bos_token_id=0, eos_token_id=0))
     cfg = TrainingConfig(micro_batch_size=2, global_batch_size=2, lr=1e-4, bf16=True, clip_grad=1.0)
     state.reset()
     setup_parallel(cfg)
     chunks = build_model(throughput.hf_model(spec, "cpu"), cfg, device="cpu", compile=compile)
-    lazy = MixedPrecisionOptimizer._lazy_grad_buffer
-    if before:
-        MixedPrecisionOptimizer._lazy_grad_buffer = lambda self: False
-    try:
-        opt = build_optimizer(chunks, cfg)
-    finally:
-        MixedPrecisionOptimizer._lazy_grad_buffer = lazy
+    opt = throughput.session5_optimizer(chunks, cfg) if before else build_optimizer(chunks, cfg)
     groups = [{k: v for k, v in g.items() if k not in ("fused", "foreach")} for g in opt.optimizer.param_groups]
     opt.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=True)  # as on CUDA (make_adam)
     return chunks, opt

@@ -171,6 +171,21 @@ def hf_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, id
     return step, None
 
 
+def session5_optimizer(chunks, cfg):
+    """build_optimizer as of session 5: the fp32 grad buffer allocated up front and every backward
+    folded into it (no lazy buffer, grad_buffer.py), torch's fused AdamW + cast back (no csrc AdamW)."""
+    from hf_megatron.training import build_optimizer
+    from hf_megatron.training.optimizer import MixedPrecisionOptimizer
+    lazy = MixedPrecisionOptimizer._lazy_grad_buffer
+    MixedPrecisionOptimizer._lazy_grad_buffer = lambda self: False
+    try:
+        optimizer = build_optimizer(chunks, cfg)
+    finally:
+        MixedPrecisionOptimizer._lazy_grad_buffer = lazy
+    optimizer.precision_aware = False
+    return optimizer
+
+
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
               torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
@@ -189,11 +204,8 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
                              compile={"mode": compile_mode, "scope": scope, "memory_budget": memory_budget}
                              if compile else False)
         del source
-        if full_buffer:  # the anchor (this child process only): the grad buffer allocated up front
-            from hf_megatron.training.optimizer import MixedPrecisionOptimizer
-            MixedPrecisionOptimizer._lazy_grad_buffer = lambda self: False
-        optimizer = build_optimizer(chunks, cfg)
-        if torch_adamw or full_buffer:  # torch's fused AdamW + cast back instead of csrc/adamw.cu
+        optimizer = session5_optimizer(chunks, cfg) if full_buffer else build_optimizer(chunks, cfg)
+        if torch_adamw:  # torch's fused AdamW + cast back instead of csrc/adamw.cu
             optimizer.precision_aware = False
     except BaseException:
         state.reset()
