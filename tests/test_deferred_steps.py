@@ -156,3 +156,12 @@ def test_deferred_steps_equal_train_step_over_pipeline_and_data_parallel_ranks()
             assert deferred["stats"] == plain["stats"], label
             assert plain["state"].keys() == deferred["state"].keys()
             assert all(torch.equal(deferred["state"][k], v) for k, v in plain["state"].items()), label
+
+
+def test_accelerate_refuses_the_train_loop_option():
+    from accelerate.utils import MegatronLMPlugin
+
+    from hf_megatron.errors import ConfigError
+    from hf_megatron.integrations.accelerate.plugin import training_config_from_plugin
+    with pytest.raises(ConfigError, match="other_megatron_args: defer_step_stats is an option of `hf-megatron train`"):
+        training_config_from_plugin(MegatronLMPlugin(other_megatron_args={"defer_step_stats": True}), "bf16")
