@@ -47,7 +47,7 @@ curves)
   ;;
 3b)
   python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \
-    ours-compile ours-float8 2>&1 | tail -6
+    ours-compile ours-float8 ours-float8+deferred 2>&1 | tail -7
   ;;
 xl)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-xl --out "$OUT/gpt2xl.json" --variants hf-compile \
