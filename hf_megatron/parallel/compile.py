@@ -34,7 +34,8 @@ Order with recompute (checked by tests/test_compile.py):
   attention saves no s x s activations anyway, so under compile prefer no recompute or "full".
 
 Memory budget (`--activation-memory-budget B`, 0 < B < 1; torchtitan's `memory_budget` mode): each
-region's first call runs with torch's `torch._functorch.config.activation_memory_budget` = B, so
+region runs with torch's `torch._functorch.config.activation_memory_budget` = B (read when its first
+call compiles and partitions the graph), so
 AOTAutograd's partitioner saves at most about B of the activations its default choice keeps and
 recomputes the cheapest of the rest in backward (pointwise and norm passes first), instead of a
 checkpoint of whole layers.  The config is set only around the region's calls: other compiled code
