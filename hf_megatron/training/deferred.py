@@ -2,7 +2,8 @@
 
 `train_step` ends in one host sync (loss, token count, grad norm), so the GPU sits idle from the end
 of each step's update until the host has run the next step's prologue and launched its first
-kernels (session 5's GPT-2 medium profile: ~1.5 ms twice per step).  `DeferredSteps.step(batch)`
+kernels (session 5's GPT-2 medium profile, bench/RESULTS.md: two ~1.5 ms idle gaps after the sync,
+the prologue and the first compiled layer's guards).  `DeferredSteps.step(batch)`
 issues the same device work in the same order and moves only the read:
 
     launch the update of the step queued last time   (its lr: the schedule after the step before)
