@@ -68,3 +68,28 @@ def test_sum_of_squares_without_the_kernel_is_an_fp64_sum():
     assert got.dtype == torch.float64 and got.shape == ()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     assert sum_of_squares([], kernel=False).item() == 0.0
+
+
+def _one_step(precision_aware):
+    state.initialize()
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    opt = MixedPrecisionOptimizer([model], lr=1e-2, precision_aware=precision_aware)
+    model(torch.randn(2, 8).to(torch.bfloat16)).float().sum().backward()
+    updated, _ = opt.step()
+    state.reset()
+    return updated
+
+
+def test_csrc_adamw_is_tried_silently_by_default_and_warns_only_when_asked(monkeypatch, recwarn):
+    """precision_aware None (the default): csrc's AdamW where it can run, silently elsewhere (here:
+    CPU tensors, no build attempted); True (--use-precision-aware-optimizer) warns once that torch's
+    AdamW steps instead; False never asks."""
+    from hf_megatron.kernels import adamw as kernel
+    built = []
+    monkeypatch.setattr(kernel, "load_extension", lambda: built.append(1))
+    monkeypatch.setattr(fused_adamw, "_warned", False)
+    assert _one_step(None) and _one_step(False)
+    assert not [w for w in recwarn if "precision-aware" in str(w.message)] and not built
+    with pytest.warns(RuntimeWarning, match="--use-precision-aware-optimizer: csrc's AdamW needs CUDA tensors"):
+        assert _one_step(True)
+    assert not built  # CPU tensors are refused before the extension is looked at
