@@ -33,7 +33,7 @@ speed)
   # the csrc AdamW (default) vs torch's fused AdamW, the compiled fused loss (memory row), transformers' best
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile hf-liger \
     ours-torch-adamw ours-compile ours-compile-deferred ours-fused-ce ours-compile-budget-0.8 \
-    ours-compile-budget-0.5 ours-compile+deferred+budget-0.8 2>&1 | tail -12
+    ours-compile-budget-0.5 ours-compile+deferred+budget-0.8 ours-compile+deferred+bf16-moments 2>&1 | tail -13
   ;;
 speed-gpt2)
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
@@ -43,7 +43,7 @@ curves)
   # a smoother definition: lr 1e-4 after 5 warm-up steps
   python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_1e-4.json" \
     --options default "default (again)" "default (perturbed init)" "fp8-format hybrid" cross-entropy-loss-fusion \
-    torch-adamw 2>&1 | tail -4
+    torch-adamw "exp-avg-dtype bf16" 2>&1 | tail -4
   ;;
 3b)
   python3 bench/throughput.py --lr 3e-4 --models llama-3b --out "$OUT/llama3b.json" --variants hf-compile \

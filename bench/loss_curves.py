@@ -26,6 +26,7 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
                                  (Megatron-LM's name); otherwise the row says it is absent
     torch-adamw                  torch's fused AdamW instead of csrc/adamw.cu (the default's AdamW on
                                  CUDA since session 7; the same as default elsewhere)
+    exp-avg-dtype bf16           --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (moments kept in bf16)
 
 Data (`--data`): "text" (default) is real text: the Python standard library's own .py sources
 (docstrings, comments and code; files in sorted order from `sysconfig`'s stdlib folder) split into
@@ -75,6 +76,7 @@ OPTIONS = {
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "torch-adamw": {"_torch_adamw": True},
+    "exp-avg-dtype bf16": {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"},
 }
 WORD = re.compile(r"\w+|[^\w\s]")
 

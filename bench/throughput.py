@@ -46,7 +46,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     ours-compile-budget-0.8, ours-compile-budget-0.5  ours-compile with --activation-memory-budget 0.8 /
                   0.5: the partitioner recomputes the cheapest activations instead of saving them
     ours-X+M+...  an ours-* variant with more options (MODIFIERS: +fused-ce +float8 +wgrad-fusion
-                  +torch-adamw +decoder +deferred, or +budget-B), e.g. ours-compile+deferred+decoder
+                  +torch-adamw +decoder +deferred +bf16-moments (--exp-avg-dtype / --exp-avg-sq-dtype bf16),
+                  or +budget-B), e.g. ours-compile+deferred+decoder
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -189,13 +190,15 @@ def session5_optimizer(chunks, cfg):
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
               torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
-              memory_budget: float | None = None):
+              memory_budget: float | None = None, bf16_moments: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0,
                          fp8_format="hybrid" if float8 else None,
-                         gradient_accumulation_fusion=wgrad_fusion)
+                         gradient_accumulation_fusion=wgrad_fusion, use_precision_aware_optimizer=bf16_moments,
+                         exp_avg_dtype="bf16" if bf16_moments else "fp32",
+                         exp_avg_sq_dtype="bf16" if bf16_moments else "fp32")
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -235,7 +238,7 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
 MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-compile+deferred+decoder)
     "fused-ce": {"fused_loss": True}, "float8": {"float8": True, "fused_loss": True},
     "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
-    "deferred": {"deferred": True}}
+    "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}}
 
 
 def ours_options(variant: str) -> dict:

@@ -63,7 +63,9 @@ __device__ __forceinline__ void adamw_math(float& param, float grad, float& exp_
   param -= step_size * exp_avg / denom;
 }
 
-template <typename G, typename M, bool kHasModel>
+// S: the moments' storage type (float, or bf16 with --exp-avg-dtype bf16): widened on load, the math in
+// float, rounded to nearest on store.
+template <typename G, typename M, bool kHasModel, typename S>
 __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restrict__ table,
                                                        const int* __restrict__ blocks, Hyper h,
                                                        const float* __restrict__ grad_scale,
@@ -74,8 +76,8 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restri
   const int64_t* row = table + static_cast<int64_t>(tensor) * kRow;
   float* main = column<float>(row, kMain);
   const G* grad = column<const G>(row, kGrad);
-  float* exp_avg = column<float>(row, kExpAvg);
-  float* exp_avg_sq = column<float>(row, kExpAvgSq);
+  S* exp_avg = column<S>(row, kExpAvg);
+  S* exp_avg_sq = column<S>(row, kExpAvgSq);
   M* model = column<M>(row, kModel);
   const float step = *column<const float>(row, kStep);
   const int64_t numel = row[kNumel];
@@ -87,23 +89,25 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restri
   const float bias_correction2 = 1 - std::pow(h.beta2, step);
   const float bias_correction2_sqrt = std::sqrt(bias_correction2);
 
-  const bool packed = numel % kILP == 0 && aligned_to(main, 16) && aligned_to(exp_avg, 16) &&
-                      aligned_to(exp_avg_sq, 16) && aligned_to(grad, kILP * sizeof(G)) &&
+  const bool packed = numel % kILP == 0 && aligned_to(main, 16) && aligned_to(exp_avg, kILP * sizeof(S)) &&
+                      aligned_to(exp_avg_sq, kILP * sizeof(S)) && aligned_to(grad, kILP * sizeof(G)) &&
                       (!kHasModel || aligned_to(model, kILP * sizeof(M)));
   if (packed) {
     for (int64_t i = lo + static_cast<int64_t>(threadIdx.x) * kILP; i < hi; i += kThreads * kILP) {
       Pack<float, kILP> p = load_pack<float, kILP>(main + i);
-      Pack<float, kILP> m = load_pack<float, kILP>(exp_avg + i);
-      Pack<float, kILP> v = load_pack<float, kILP>(exp_avg_sq + i);
+      Pack<S, kILP> m = load_pack<S, kILP>(exp_avg + i);
+      Pack<S, kILP> v = load_pack<S, kILP>(exp_avg_sq + i);
       const Pack<G, kILP> g = load_pack<G, kILP>(grad + i);
 #pragma unroll
       for (int k = 0; k < kILP; ++k) {
-        adamw_math(p.v[k], static_cast<float>(g.v[k]), m.v[k], v.v[k], h, step_size, bias_correction2_sqrt,
-                   grad_scale);
+        float mk = static_cast<float>(m.v[k]), vk = static_cast<float>(v.v[k]);
+        adamw_math(p.v[k], static_cast<float>(g.v[k]), mk, vk, h, step_size, bias_correction2_sqrt, grad_scale);
+        m.v[k] = static_cast<S>(mk);
+        v.v[k] = static_cast<S>(vk);
       }
       store_pack<float, kILP>(main + i, p);
-      store_pack<float, kILP>(exp_avg + i, m);
-      store_pack<float, kILP>(exp_avg_sq + i, v);
+      store_pack<S, kILP>(exp_avg + i, m);
+      store_pack<S, kILP>(exp_avg_sq + i, v);
       if constexpr (kHasModel) {
         Pack<M, kILP> out;
 #pragma unroll
@@ -113,11 +117,11 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(const int64_t* __restri
     }
   } else {
     for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
-      float p = main[i], m = exp_avg[i], v = exp_avg_sq[i];
+      float p = main[i], m = static_cast<float>(exp_avg[i]), v = static_cast<float>(exp_avg_sq[i]);
       adamw_math(p, static_cast<float>(grad[i]), m, v, h, step_size, bias_correction2_sqrt, grad_scale);
       main[i] = p;
-      exp_avg[i] = m;
-      exp_avg_sq[i] = v;
+      exp_avg[i] = static_cast<S>(m);
+      exp_avg_sq[i] = static_cast<S>(v);
       if constexpr (kHasModel) model[i] = static_cast<M>(p);
     }
   }
@@ -169,34 +173,44 @@ const float* optional_scalar(const c10::optional<at::Tensor>& t, const at::Tenso
 
 }  // namespace
 
+template <typename G, typename S>
+void launch_adamw(const at::Tensor& table, const at::Tensor& blocks, const c10::optional<at::Tensor>& model_like,
+                  const Hyper& h, const float* scale, const float* inf, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>(blocks.size(0));
+  if (!model_like.has_value()) {
+    adamw_kernel<G, float, false, S><<<grid, kThreads, 0, stream>>>(table.data_ptr<int64_t>(), blocks.data_ptr<int>(),
+                                                                    h, scale, inf);
+    return;
+  }
+  HFM_DISPATCH_FLOATING(model_like->scalar_type(), "multi_tensor_adamw_model", [&] {
+    adamw_kernel<G, scalar_t, true, S><<<grid, kThreads, 0, stream>>>(table.data_ptr<int64_t>(),
+                                                                      blocks.data_ptr<int>(), h, scale, inf);
+  });
+}
+
 // grad_like: any tensor of the gradients' dtype; model_like: one of the model copies' dtype, or none
-// when the main weights are the model's (column 4 is 0).
+// when the main weights are the model's (column 4 is 0); moment_like: one of the moments (float or bf16,
+// both moments of every tensor in that dtype).
 void multi_tensor_adamw(const at::Tensor& table, const at::Tensor& blocks, const at::Tensor& grad_like,
-                        const c10::optional<at::Tensor>& model_like, double lr, double beta1, double beta2,
-                        double eps, double weight_decay, const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf) {
+                        const c10::optional<at::Tensor>& model_like, const at::Tensor& moment_like, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf) {
   check_tables(table, blocks);
-  const at::ScalarType grad_dtype = grad_like.scalar_type();
-  const bool has_model = model_like.has_value();
-  const at::ScalarType model_dtype = has_model ? model_like->scalar_type() : at::kFloat;
+  const at::ScalarType moment_dtype = moment_like.scalar_type();
+  TORCH_CHECK(moment_dtype == at::kFloat || moment_dtype == at::kBFloat16,
+              "multi_tensor_adamw: moments must be float32 or bfloat16, got ", moment_dtype);
   const float* scale = optional_scalar(grad_scale, table, "grad_scale");
   const float* inf = optional_scalar(found_inf, table, "found_inf");
   const c10::cuda::CUDAGuard guard(table.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const Hyper h{static_cast<float>(lr), static_cast<float>(beta1), static_cast<float>(beta2),
                 static_cast<float>(eps), static_cast<float>(weight_decay)};
-  const unsigned grid = static_cast<unsigned>(blocks.size(0));
-  HFM_DISPATCH_FLOATING(grad_dtype, "multi_tensor_adamw", [&] {
-    using G = scalar_t;
-    if (!has_model) {
-      adamw_kernel<G, float, false><<<grid, kThreads, 0, stream>>>(table.data_ptr<int64_t>(),
-                                                                  blocks.data_ptr<int>(), h, scale, inf);
-      return;
+  HFM_DISPATCH_FLOATING(grad_like.scalar_type(), "multi_tensor_adamw", [&] {
+    if (moment_dtype == at::kBFloat16) {
+      launch_adamw<scalar_t, at::BFloat16>(table, blocks, model_like, h, scale, inf, stream);
+    } else {
+      launch_adamw<scalar_t, float>(table, blocks, model_like, h, scale, inf, stream);
     }
-    HFM_DISPATCH_FLOATING(model_dtype, "multi_tensor_adamw_model", [&] {
-      adamw_kernel<G, scalar_t, true><<<grid, kThreads, 0, stream>>>(table.data_ptr<int64_t>(),
-                                                                    blocks.data_ptr<int>(), h, scale, inf);
-    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -14,9 +14,9 @@ at::Tensor swiglu_backward(const at::Tensor& dy, const at::Tensor& x);
 at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor rotary_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin);
 void multi_tensor_adamw(const at::Tensor& table, const at::Tensor& blocks, const at::Tensor& grad_like,
-                        const c10::optional<at::Tensor>& model_like, double lr, double beta1, double beta2,
-                        double eps, double weight_decay, const c10::optional<at::Tensor>& grad_scale,
-                        const c10::optional<at::Tensor>& found_inf);
+                        const c10::optional<at::Tensor>& model_like, const at::Tensor& moment_like, double lr,
+                        double beta1, double beta2, double eps, double weight_decay,
+                        const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf);
 at::Tensor multi_tensor_sum_of_squares(const at::Tensor& table, const at::Tensor& blocks,
                                        const at::Tensor& grad_like);
 }  // namespace hf_megatron
@@ -29,8 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_backward", &hf_megatron::swiglu_backward, "SwiGLU backward: dy [rows, F], x [rows, 2F] -> dx");
   m.def("rotary_forward", &hf_megatron::rotary_forward, "rotary apply: x [b,h,s,d], cos, sin [b|1,s,d] -> y");
   m.def("multi_tensor_adamw", &hf_megatron::multi_tensor_adamw,
-        "AdamW on fp32 main weights: table [n, 7] int64, blocks [b, 2] int32, grad_like, model_like, lr, beta1, "
-        "beta2, eps, weight_decay, grad_scale, found_inf");
+        "AdamW on fp32 main weights: table [n, 7] int64, blocks [b, 2] int32, grad_like, model_like, moment_like "
+        "(fp32 or bf16 moments), lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf");
   m.def("multi_tensor_sum_of_squares", &hf_megatron::multi_tensor_sum_of_squares,
         "fp64 sum of squares per block of a tensor list: table, blocks, grad_like -> partial [b]");
   m.def("rotary_backward", &hf_megatron::rotary_backward, "rotary backward: dy, cos, sin -> dx");

@@ -126,3 +126,32 @@ def test_optimizer_paths_equal_the_fp32_buffer_and_torch_adamw(monkeypatch, path
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
     for p, m in zip(model_k, main_k):
         assert torch.equal(p, m.to(p.dtype))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_with_bf16_moments_is_fp32_math_rounded(grad_dtype):
+    """--exp-avg-dtype / --exp-avg-sq-dtype bf16: the kernel widens bf16 moments, steps in fp32 and rounds
+    them back; the reference is torch's fused AdamW on fp32 moments that are rounded to bf16 after
+    every step (1 bf16 ulp where a 2-ulp fp32 difference crosses a rounding boundary)."""
+    mains, _ = _tensors(0, grad_dtype)
+    ref_params = [m.detach().clone() for m in mains]
+    ref = torch.optim.AdamW(ref_params, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(mains, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    for step in range(3):
+        _, grads = _tensors(step + 1, grad_dtype)
+        if step:  # the first step creates fp32 state; from then on it is kept in bf16
+            for m in mains:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    opt.state[m][key] = opt.state[m][key].to(torch.bfloat16)
+            assert fused_adamw.usable(opt, mains, grads, [None] * len(mains))
+        fused_adamw.step_(opt, mains, grads, [None] * len(mains))
+        for p, g in zip(ref_params, grads):
+            p.grad = g.float()
+        ref.step()
+        for p in ref_params:
+            for key in ("exp_avg", "exp_avg_sq"):
+                ref.state[p][key] = ref.state[p][key].to(torch.bfloat16).float()
+        for mine, theirs in zip(mains, ref_params):
+            torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[mine][key].float(), ref.state[theirs][key], rtol=2 ** -8, atol=1e-12)

@@ -20,6 +20,14 @@ CHUNK = 65536  # csrc/adamw.cu kChunk
 _BLOCKS: dict[tuple, torch.Tensor] = {}  # (device, numels) -> int32 [blocks, 2]
 
 
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # csrc/adamw.cu's moment storage types
+
+
+def moments_supported(exp_avgs, exp_avg_sqs) -> bool:
+    """Each tensor's two moments in one dtype the kernel stores (float32 or bfloat16)."""
+    return all(m.dtype == v.dtype and m.dtype in MOMENT_DTYPES for m, v in zip(exp_avgs, exp_avg_sqs))
+
+
 def supported(*tensor_lists) -> bool:
     """Every tensor on one CUDA device, contiguous, and the extension built."""
     tensors = [t for tensors in tensor_lists for t in tensors if t is not None]
@@ -72,8 +80,8 @@ def sum_of_squares(tensors: list[torch.Tensor], kernel: bool = True) -> torch.Te
 def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, beta1: float, beta2: float,
            eps: float, weight_decay: float, grad_scale: torch.Tensor | None = None,
            found_inf: torch.Tensor | None = None) -> None:
-    """One AdamW step of every main weight (fp32) with its gradient (any float dtype), moments and
-    0-d fp32 step count (already incremented for this step), writing the updated weight into
+    """One AdamW step of every main weight (fp32) with its gradient (any float dtype), moments (fp32 or
+    bf16, `moments_supported`) and 0-d fp32 step count (already incremented for this step), writing the updated weight into
     `models[i]` too where it is not None (see csrc/adamw.cu for the formula).  Call only where
     `supported(...)` holds."""
     if not mains:
@@ -81,8 +89,8 @@ def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, bet
     ext, device = load_extension(), mains[0].device
     kinds: dict[tuple, list[int]] = {}
     for i, (g, model) in enumerate(zip(grads, models)):
-        kinds.setdefault((g.dtype, None if model is None else model.dtype), []).append(i)
-    for (grad_dtype, model_dtype), members in kinds.items():
+        kinds.setdefault((g.dtype, None if model is None else model.dtype, exp_avgs[i].dtype), []).append(i)
+    for (grad_dtype, model_dtype, _), members in kinds.items():
         members = [i for i in members if mains[i].numel()]
         if not members:
             continue
@@ -90,5 +98,6 @@ def adamw_(mains, grads, exp_avgs, exp_avg_sqs, models, steps, *, lr: float, bet
                  _ptr(models[i]), steps[i].data_ptr(), mains[i].numel()] for i in members]
         blocks = _blocks(device, tuple(mains[i].numel() for i in members))
         model_like = None if model_dtype is None else models[members[0]]
-        ext.multi_tensor_adamw(_table(rows, device), blocks, grads[members[0]], model_like, float(lr), float(beta1),
+        ext.multi_tensor_adamw(_table(rows, device), blocks, grads[members[0]], model_like, exp_avgs[members[0]],
+                               float(lr), float(beta1),
                                float(beta2), float(eps), float(weight_decay), grad_scale, found_inf)

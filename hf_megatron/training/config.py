@@ -25,6 +25,7 @@ from ..parallel.compile import SCOPES as COMPILE_SCOPES
 from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
 
 DECAY_STYLES = ("constant", "linear", "cosine")
+MOMENT_DTYPES = ("fp32", "bf16")  # Megatron-LM's --exp-avg-dtype / --exp-avg-sq-dtype choices we offer
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 MEGATRON_DESTS = {"fp8": "fp8_format"}  # Megatron-LM's argparse dest -> our field (its flag's name)
 BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below", "<", operator.lt))
@@ -181,7 +182,16 @@ class TrainingConfig:
                                    "same pass, fp32 main weights and moments, torch's fused AdamW's arithmetic; "
                                    "this flag only warns when the kernel cannot run (no CUDA, HF_MEGATRON_KERNELS=0, "
                                    "a failed build), where torch's AdamW steps. Megatron-LM's flag runs Transformer "
-                                   "Engine's FusedAdam; its --main-grads-dtype / --exp-avg-dtype are not offered")
+                                   "Engine's FusedAdam; of its dtype flags --exp-avg-dtype / --exp-avg-sq-dtype bf16 are "
+                                   "offered, --main-grads-dtype / --main-params-dtype are not")
+    exp_avg_dtype: str = option(
+        "fp32", group="speed", choices=MOMENT_DTYPES,
+        help="with --use-precision-aware-optimizer: the dtype AdamW's first moment is stored in between steps "
+             "(computed in fp32 and rounded to nearest; checkpoints hold it in fp32, as Megatron-LM's do); "
+             "Megatron-LM's fp16 / fp8 need Transformer Engine's scaled states and are not offered")
+    exp_avg_sq_dtype: str = option(
+        "fp32", group="speed", choices=MOMENT_DTYPES,
+        help="with --use-precision-aware-optimizer: the same for the second moment")
     defer_step_stats: bool = option(
         False, group="speed", help="hf-megatron train reads each step's loss and grad norm after the next step's "
                                    "forward and backward are queued, so the GPU does not wait for the host between "
@@ -201,6 +211,11 @@ class TrainingConfig:
         if self.torch_compile_scope != "layer" and not self.torch_compile:
             raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope {self.torch_compile_scope}): "
                               "expected --torch-compile as well")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) != "fp32" and not self.use_precision_aware_optimizer:
+                raise ConfigError(f"TrainingConfig.{name} ({flag_of(name)} {getattr(self, name)}): expected "
+                                  "--use-precision-aware-optimizer as well (Megatron-LM's rule: only its optimizer "
+                                  "keeps lower-precision moments)")
         if self.activation_memory_budget is not None and not self.torch_compile:
             raise ConfigError(f"TrainingConfig.activation_memory_budget (--activation-memory-budget "
                               f"{self.activation_memory_budget:g}): expected --torch-compile as well")

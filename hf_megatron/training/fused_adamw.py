@@ -34,8 +34,12 @@ def plain_fused(optimizer) -> bool:
 
 
 def usable(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list) -> bool:
-    """Whether `step_` can run this optimizer's step in the csrc kernel."""
-    return plain_fused(optimizer) and kernel.supported(mains, grads, [m for m in models if m is not None])
+    """Whether `step_` can run this optimizer's step in the csrc kernel (moments that exist already in
+    one dtype it stores, per tensor: fp32, or bf16 with --exp-avg-dtype / --exp-avg-sq-dtype bf16)."""
+    if not (plain_fused(optimizer) and kernel.supported(mains, grads, [m for m in models if m is not None])):
+        return False
+    states = [s for s in (optimizer.state.get(m) for m in mains) if s and "exp_avg" in s]
+    return kernel.moments_supported([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states])
 
 
 _warned = False

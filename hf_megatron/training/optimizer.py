@@ -106,8 +106,13 @@ class MixedPrecisionOptimizer:
     def __init__(self, chunks, lr: float = 1e-4, weight_decay: float = 0.01, betas=(0.9, 0.999), eps: float = 1e-8,
                  clip_grad: float = 1.0, loss_scaler: LossScaler | None = None, overlap_grad_reduce: bool = False,
                  bucket_size: int | None = None, groups: list[dict] | None = None,
-                 precision_aware: bool | None = None) -> None:
+                 precision_aware: bool | None = None,
+                 moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)) -> None:
         self.chunks = list(chunks)
+        # the dtypes exp_avg / exp_avg_sq are kept in between steps (--exp-avg-dtype / --exp-avg-sq-dtype):
+        # computed in fp32 by every AdamW path, rounded to nearest when stored, fp32 in checkpoints
+        self.moment_dtypes = dict(zip(MOMENTS, moment_dtypes))
+        self._low_moments = any(d != torch.float32 for d in moment_dtypes)
         # csrc's AdamW where it can run (None: silently; True: warn when it cannot); False: torch's AdamW
         self.precision_aware = precision_aware
         self.clip_grad = clip_grad
@@ -276,14 +281,28 @@ class MixedPrecisionOptimizer:
         a fused copy."""
         if kernel:
             fused_adamw.step_(self.optimizer, self.main_params, grads, self._model_views, grad_scale, found_inf)
+            self._store_moments()
             self._after_update()
             return
+        self._store_moments(torch.float32)  # torch's AdamW steps fp32 moments
         if not fused_adamw.torch_step_(self.optimizer, self.main_params, grads, grad_scale, found_inf):
             self._torch_step(grads, grad_scale, found_inf)
+        self._store_moments()
         views, mains = self._cast_back
         if views:
             torch._foreach_copy_(views, mains)  # cast back, fused
         self._after_update()
+
+    def _store_moments(self, dtype: torch.dtype | None = None) -> None:
+        """Every AdamW moment in `dtype` (default: its --exp-avg(-sq)-dtype), rounded to nearest; a no-op
+        for moments already there (all of them, with the default fp32)."""
+        if not self._low_moments:
+            return
+        for entry in self.optimizer.state.values():
+            for key in MOMENTS:
+                want = dtype or self.moment_dtypes[key]
+                if key in entry and entry[key].dtype != want:
+                    entry[key] = entry[key].to(want)
 
     def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:
         """`optimizer.step()` with the grads set as the main params' `.grad` (and cleared after)."""
@@ -355,6 +374,8 @@ class MixedPrecisionOptimizer:
         float16 = any(low) or self.scaler.dynamic
         scaler = self.scaler.state_dict() if self.scaler.active else None
         inner = self.optimizer.state_dict()
+        inner["state"] = {i: {k: v.float() if k in MOMENTS else v for k, v in entry.items()}  # files: fp32
+                          for i, entry in inner["state"].items()}
         step = next((int(e["step"]) for e in inner["state"].values() if e.get("step") is not None), 0)
         return to_megatron(inner, self.megatron_order[0], self.main_params, low, scaler, float16, step)
 
@@ -392,3 +413,4 @@ class MixedPrecisionOptimizer:
             groups.append({**hyper, "params": list(range(index, index + len(live["params"])))})
             index += len(live["params"])
         self.optimizer.load_state_dict({"state": inner_state_, "param_groups": groups})
+        self._store_moments()

@@ -67,6 +67,9 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
         dtype=cfg.params_dtype, **gpt_kwargs)
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = None) -> MixedPrecisionOptimizer:
     """`groups`: the caller's parameter groups (params of `chunks` + per-group options such as
     weight_decay); default: Megatron's two groups (see optimizer.param_groups)."""
@@ -79,7 +82,8 @@ def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = Non
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
                   bucket_size=cfg.ddp_bucket_size, groups=groups,
-                  precision_aware=True if cfg.use_precision_aware_optimizer else None)  # None: csrc AdamW on CUDA
+                  precision_aware=True if cfg.use_precision_aware_optimizer else None,  # None: csrc AdamW on CUDA
+                  moment_dtypes=(_DTYPES[cfg.exp_avg_dtype], _DTYPES[cfg.exp_avg_sq_dtype]))
     if cfg.use_distributed_optimizer:
         return DistributedOptimizer(chunks, overlap_param_gather=cfg.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(chunks, **kwargs)
