@@ -98,3 +98,38 @@ def test_train_cli_with_bf16_moments_saves_fp32_and_resumes_exactly(tmp_path):
     _train(root, stopped, *LOW, "--exit-interval", 3)
     _train(root, stopped, *LOW, "--load", stopped)
     assert_same_weights(weights(stopped, ITERS), weights(root / "straight", ITERS))
+
+
+def _dp_worker(rank, world):
+    from tiny import engine_batch, tiny_hf_model
+    from training_helpers import make_batches, training_config
+
+    from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
+        train_step
+    out = {}
+    for zero in (False, True):
+        cfg = training_config({"dp": 2, "zero": zero}, use_precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                              exp_avg_sq_dtype="bf16")
+        setup_parallel(cfg)
+        chunks = build_model(tiny_hf_model("llama"), cfg)
+        opt = build_optimizer(chunks, cfg)
+        scheduler = build_scheduler(opt, cfg)
+        losses = [train_step(chunks, opt, scheduler, split_batch(engine_batch(b), cfg))["loss"]
+                  for b in make_batches(4)]
+        dtypes = {v.dtype for entry in opt.optimizer.state.values() for k, v in entry.items() if k != "step"}
+        gathered = opt.parameter_state() if zero else None
+        out[zero] = {"losses": losses, "dtypes": dtypes,
+                     "gathered": None if gathered is None else {gathered["exp_avg"].dtype, gathered["exp_avg_sq"].dtype}}
+        state.reset()
+    return out
+
+
+def test_bf16_moments_with_the_distributed_optimizer():
+    """dp 2: the distributed optimizer keeps its shards' moments in bf16, tracks the plain dp optimizer
+    (its grad-norm summation order differs: rel 1e-5) and gathers fp32 moments for distrib_optim.pt."""
+    from dist import run_distributed
+    for rank, out in enumerate(run_distributed(_dp_worker, 2)):
+        assert out[False]["dtypes"] == out[True]["dtypes"] == {BF16}, rank
+        assert out[True]["gathered"] == ({FP32} if rank == 0 else None)
+        for a, b in zip(out[True]["losses"], out[False]["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(b)
