@@ -155,3 +155,33 @@ def test_kernel_with_bf16_moments_is_fp32_math_rounded(grad_dtype):
             torch.testing.assert_close(mine, theirs, rtol=RTOL, atol=ATOL)
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(opt.state[mine][key].float(), ref.state[theirs][key], rtol=2 ** -8, atol=1e-12)
+
+
+def test_optimizer_creates_bf16_moments_in_the_kernel_and_matches_its_cpu_path():
+    """MixedPrecisionOptimizer with bf16 moments on CUDA: created in bf16 on the first step (no fp32
+    moments ever), stepped by the kernel, and close to the same run on CPU (torch's AdamW on fp32
+    copies, rounded; the two devices' bf16 matmuls differ, hence rtol 1e-3)."""
+    def run(device):
+        state.initialize()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(67, 4099), nn.GELU(), nn.Linear(4099, 31)).to(device, torch.bfloat16)
+        opt = MixedPrecisionOptimizer([model], lr=1e-2, weight_decay=0.1, clip_grad=0.0,
+                                      moment_dtypes=(torch.bfloat16, torch.bfloat16))
+        if device == "cpu":  # the CUDA optimizer's fused AdamW arithmetic
+            groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused")} for g in opt.optimizer.param_groups]
+            opt.optimizer = torch.optim.AdamW(groups, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        dtypes = []
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 67, generator=gen).to(device, torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            dtypes.append({v.dtype for s in opt.optimizer.state.values() for k, v in s.items() if k != "step"})
+        state.reset()
+        return dtypes, [m.detach().cpu() for m in opt.main_params]
+
+    dtypes, mains = run("cuda")
+    assert dtypes == [{torch.bfloat16}] * 2
+    _, mains_cpu = run("cpu")
+    for a, b in zip(mains, mains_cpu):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)  # CPU and CUDA matmuls differ in bf16

@@ -33,10 +33,14 @@ def plain_fused(optimizer) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) and all(_plain(g) for g in optimizer.param_groups)
 
 
-def usable(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list) -> bool:
-    """Whether `step_` can run this optimizer's step in the csrc kernel (moments that exist already in
-    one dtype it stores, per tensor: fp32, or bf16 with --exp-avg-dtype / --exp-avg-sq-dtype bf16)."""
-    if not (plain_fused(optimizer) and kernel.supported(mains, grads, [m for m in models if m is not None])):
+def usable(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list,
+           moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32)) -> bool:
+    """Whether `step_` can run this optimizer's step in the csrc kernel: the moments (those to create,
+    `moment_dtypes`, and those that exist) in one dtype it stores per tensor -- fp32, or bf16 with
+    --exp-avg-dtype / --exp-avg-sq-dtype bf16."""
+    first, second = moment_dtypes
+    if not (first == second and first in kernel.MOMENT_DTYPES and plain_fused(optimizer)
+            and kernel.supported(mains, grads, [m for m in models if m is not None])):
         return False
     states = [s for s in (optimizer.state.get(m) for m in mains) if s and "exp_avg" in s]
     return kernel.moments_supported([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states])
@@ -55,16 +59,18 @@ def warn_unusable() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def _state(optimizer, main: torch.Tensor) -> dict:
+def _state(optimizer, main: torch.Tensor, moment_dtypes=None) -> dict:
     state = optimizer.state[main]
-    if not state:  # torch's fused AdamW's first-step state
+    if not state:  # torch's fused AdamW's first-step state (moments in `moment_dtypes`, default main's)
+        first, second = moment_dtypes or (main.dtype, main.dtype)
         state["step"] = torch.zeros((), dtype=torch.float32, device=main.device)
-        state["exp_avg"] = torch.zeros_like(main, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        state["exp_avg"] = torch.zeros_like(main, dtype=first, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(main, dtype=second, memory_format=torch.preserve_format)
     return state
 
 
-def _each_group(optimizer, mains: list[torch.Tensor], found_inf: torch.Tensor | None, update) -> None:
+def _each_group(optimizer, mains: list[torch.Tensor], found_inf: torch.Tensor | None, update,
+                moment_dtypes=None) -> None:
     """Per param group as torch's fused AdamW steps it: its step counts += 1, then
     `update(members, states, steps, group)` (members: indices into mains), then the counts -=
     found_inf (a skipped step is not counted)."""
@@ -73,7 +79,7 @@ def _each_group(optimizer, mains: list[torch.Tensor], found_inf: torch.Tensor | 
         members = [index[id(p)] for p in group["params"]]
         if not members:
             continue
-        states = [_state(optimizer, mains[i]) for i in members]
+        states = [_state(optimizer, mains[i], moment_dtypes) for i in members]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
         update(members, states, steps, group)
@@ -82,9 +88,11 @@ def _each_group(optimizer, mains: list[torch.Tensor], found_inf: torch.Tensor | 
 
 
 def step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], models: list,
-          grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+          grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None,
+          moment_dtypes: tuple[torch.dtype, torch.dtype] | None = None) -> None:
     """AdamW on `mains` (the optimizer's params, aligned with `grads`; `models[i]` the low-precision
-    model tensor to overwrite with mains[i], or None) in the csrc kernel, where `usable` said so."""
+    model tensor to overwrite with mains[i], or None) in the csrc kernel, where `usable` said so;
+    moments created on the first step in `moment_dtypes` (default fp32)."""
     def update(members, states, steps, group):
         beta1, beta2 = group["betas"]
         kernel.adamw_([mains[i] for i in members], [grads[i] for i in members], [s["exp_avg"] for s in states],
@@ -92,7 +100,7 @@ def step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], model
                       lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                       weight_decay=group["weight_decay"], grad_scale=grad_scale, found_inf=found_inf)
 
-    _each_group(optimizer, mains, found_inf, update)
+    _each_group(optimizer, mains, found_inf, update, moment_dtypes)
 
 
 def torch_step_(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor],

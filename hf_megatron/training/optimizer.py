@@ -204,8 +204,8 @@ class MixedPrecisionOptimizer:
         it with the loss).  Otherwise the host decides as before and the result is the pair."""
         self.finish_grad_sync()
         grads = self._main_grads()
-        kernel = self.precision_aware is not False and fused_adamw.usable(self.optimizer, self.main_params, grads,
-                                                                          self._model_views)
+        kernel = self.precision_aware is not False and fused_adamw.usable(
+            self.optimizer, self.main_params, grads, self._model_views, self._moment_dtypes())
         if self.precision_aware and not kernel:
             fused_adamw.warn_unusable()
         if not self._fused_adamw(grads) or self.scaler.active:
@@ -280,8 +280,9 @@ class MixedPrecisionOptimizer:
         torch's fused AdamW kernel called directly (training/fused_adamw.py) or torch's step, and
         a fused copy."""
         if kernel:
-            fused_adamw.step_(self.optimizer, self.main_params, grads, self._model_views, grad_scale, found_inf)
-            self._store_moments()
+            fused_adamw.step_(self.optimizer, self.main_params, grads, self._model_views, grad_scale, found_inf,
+                              self._moment_dtypes())  # created in their dtypes: no fp32 moments on step 1
+            self._store_moments()  # (moments a torch step left in fp32)
             self._after_update()
             return
         self._store_moments(torch.float32)  # torch's AdamW steps fp32 moments
@@ -292,6 +293,9 @@ class MixedPrecisionOptimizer:
         if views:
             torch._foreach_copy_(views, mains)  # cast back, fused
         self._after_update()
+
+    def _moment_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        return self.moment_dtypes["exp_avg"], self.moment_dtypes["exp_avg_sq"]
 
     def _store_moments(self, dtype: torch.dtype | None = None) -> None:
         """Every AdamW moment in `dtype` (default: its --exp-avg(-sq)-dtype), rounded to nearest; a no-op
