@@ -59,6 +59,16 @@ def warn_unusable() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
+def store_moments(optimizer, dtypes: dict[str, torch.dtype], dtype: torch.dtype | None = None) -> None:
+    """Every AdamW moment of `optimizer` in `dtype` (default: `dtypes[key]`, e.g. bf16 for
+    --exp-avg-dtype bf16), rounded to nearest; moments already there are left alone."""
+    for entry in optimizer.state.values():
+        for key, default in dtypes.items():
+            want = dtype or default
+            if key in entry and entry[key].dtype != want:
+                entry[key] = entry[key].to(want)
+
+
 def _state(optimizer, main: torch.Tensor, moment_dtypes=None) -> dict:
     state = optimizer.state[main]
     if not state:  # torch's fused AdamW's first-step state (moments in `moment_dtypes`, default main's)

@@ -298,15 +298,9 @@ class MixedPrecisionOptimizer:
         return self.moment_dtypes["exp_avg"], self.moment_dtypes["exp_avg_sq"]
 
     def _store_moments(self, dtype: torch.dtype | None = None) -> None:
-        """Every AdamW moment in `dtype` (default: its --exp-avg(-sq)-dtype), rounded to nearest; a no-op
-        for moments already there (all of them, with the default fp32)."""
-        if not self._low_moments:
-            return
-        for entry in self.optimizer.state.values():
-            for key in MOMENTS:
-                want = dtype or self.moment_dtypes[key]
-                if key in entry and entry[key].dtype != want:
-                    entry[key] = entry[key].to(want)
+        """Every AdamW moment in `dtype`, default its --exp-avg(-sq)-dtype (fused_adamw.store_moments)."""
+        if self._low_moments:
+            fused_adamw.store_moments(self.optimizer, self.moment_dtypes, dtype)
 
     def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:
         """`optimizer.step()` with the grads set as the main params' `.grad` (and cleared after)."""
