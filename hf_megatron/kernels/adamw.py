@@ -23,9 +23,9 @@ _BLOCKS: dict[tuple, torch.Tensor] = {}  # (device, numels) -> int32 [blocks, 2]
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # csrc/adamw.cu's moment storage types
 
 
-def moments_supported(exp_avgs, exp_avg_sqs) -> bool:
-    """Each tensor's two moments in one dtype the kernel stores (float32 or bfloat16)."""
-    return all(m.dtype == v.dtype and m.dtype in MOMENT_DTYPES for m, v in zip(exp_avgs, exp_avg_sqs))
+def moments_supported(dtype_pairs) -> bool:
+    """Each (exp_avg dtype, exp_avg_sq dtype) pair one dtype the kernel stores (float32 or bfloat16)."""
+    return all(first == second and first in MOMENT_DTYPES for first, second in dtype_pairs)
 
 
 def supported(*tensor_lists) -> bool:

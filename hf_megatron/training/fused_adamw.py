@@ -38,12 +38,10 @@ def usable(optimizer, mains: list[torch.Tensor], grads: list[torch.Tensor], mode
     """Whether `step_` can run this optimizer's step in the csrc kernel: the moments (those to create,
     `moment_dtypes`, and those that exist) in one dtype it stores per tensor -- fp32, or bf16 with
     --exp-avg-dtype / --exp-avg-sq-dtype bf16."""
-    first, second = moment_dtypes
-    if not (first == second and first in kernel.MOMENT_DTYPES and plain_fused(optimizer)
-            and kernel.supported(mains, grads, [m for m in models if m is not None])):
+    if not (plain_fused(optimizer) and kernel.supported(mains, grads, [m for m in models if m is not None])):
         return False
     states = [s for s in (optimizer.state.get(m) for m in mains) if s and "exp_avg" in s]
-    return kernel.moments_supported([s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states])
+    return kernel.moments_supported([moment_dtypes, *((s["exp_avg"].dtype, s["exp_avg_sq"].dtype) for s in states)])
 
 
 _warned = False
@@ -59,11 +57,11 @@ def warn_unusable() -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def store_moments(optimizer, dtypes: dict[str, torch.dtype], dtype: torch.dtype | None = None) -> None:
-    """Every AdamW moment of `optimizer` in `dtype` (default: `dtypes[key]`, e.g. bf16 for
-    --exp-avg-dtype bf16), rounded to nearest; moments already there are left alone."""
+def store_moments(optimizer, dtypes: tuple[torch.dtype, torch.dtype], dtype: torch.dtype | None = None) -> None:
+    """Every AdamW moment of `optimizer` in `dtype` (default: `dtypes` = (exp_avg's, exp_avg_sq's), e.g.
+    bf16 for --exp-avg-dtype bf16), rounded to nearest; moments already there are left alone."""
     for entry in optimizer.state.values():
-        for key, default in dtypes.items():
+        for key, default in zip(("exp_avg", "exp_avg_sq"), dtypes):
             want = dtype or default
             if key in entry and entry[key].dtype != want:
                 entry[key] = entry[key].to(want)

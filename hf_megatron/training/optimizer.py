@@ -111,8 +111,7 @@ class MixedPrecisionOptimizer:
         self.chunks = list(chunks)
         # the dtypes exp_avg / exp_avg_sq are kept in between steps (--exp-avg-dtype / --exp-avg-sq-dtype):
         # computed in fp32 by every AdamW path, rounded to nearest when stored, fp32 in checkpoints
-        self.moment_dtypes = dict(zip(MOMENTS, moment_dtypes))
-        self._low_moments = any(d != torch.float32 for d in moment_dtypes)
+        self.moment_dtypes = tuple(moment_dtypes)
         # csrc's AdamW where it can run (None: silently; True: warn when it cannot); False: torch's AdamW
         self.precision_aware = precision_aware
         self.clip_grad = clip_grad
@@ -205,7 +204,7 @@ class MixedPrecisionOptimizer:
         self.finish_grad_sync()
         grads = self._main_grads()
         kernel = self.precision_aware is not False and fused_adamw.usable(
-            self.optimizer, self.main_params, grads, self._model_views, self._moment_dtypes())
+            self.optimizer, self.main_params, grads, self._model_views, self.moment_dtypes)
         if self.precision_aware and not kernel:
             fused_adamw.warn_unusable()
         if not self._fused_adamw(grads) or self.scaler.active:
@@ -280,9 +279,9 @@ class MixedPrecisionOptimizer:
         torch's fused AdamW kernel called directly (training/fused_adamw.py) or torch's step, and
         a fused copy."""
         if kernel:
+            # moments created in their dtypes and stored in them: no fp32 moments on the kernel path
             fused_adamw.step_(self.optimizer, self.main_params, grads, self._model_views, grad_scale, found_inf,
-                              self._moment_dtypes())  # created in their dtypes: no fp32 moments on step 1
-            self._store_moments()  # (moments a torch step left in fp32)
+                              self.moment_dtypes)
             self._after_update()
             return
         self._store_moments(torch.float32)  # torch's AdamW steps fp32 moments
@@ -294,12 +293,9 @@ class MixedPrecisionOptimizer:
             torch._foreach_copy_(views, mains)  # cast back, fused
         self._after_update()
 
-    def _moment_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
-        return self.moment_dtypes["exp_avg"], self.moment_dtypes["exp_avg_sq"]
-
     def _store_moments(self, dtype: torch.dtype | None = None) -> None:
         """Every AdamW moment in `dtype`, default its --exp-avg(-sq)-dtype (fused_adamw.store_moments)."""
-        if self._low_moments:
+        if self.moment_dtypes != (torch.float32, torch.float32):
             fused_adamw.store_moments(self.optimizer, self.moment_dtypes, dtype)
 
     def _torch_step(self, grads, grad_scale=None, found_inf=None) -> None:

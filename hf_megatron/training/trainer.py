@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..conversion.hf_writer import DTYPES
 from ..loading import build_model_chunks
 from ..parallel import pipeline, state
 from ..parallel.data_parallel import allreduce_tensors, grad_of, micro_batches_for_rank
@@ -67,9 +68,6 @@ def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
         dtype=cfg.params_dtype, **gpt_kwargs)
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = None) -> MixedPrecisionOptimizer:
     """`groups`: the caller's parameter groups (params of `chunks` + per-group options such as
     weight_decay); default: Megatron's two groups (see optimizer.param_groups)."""
@@ -83,7 +81,7 @@ def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = Non
                   clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
                   bucket_size=cfg.ddp_bucket_size, groups=groups,
                   precision_aware=True if cfg.use_precision_aware_optimizer else None,  # None: csrc AdamW on CUDA
-                  moment_dtypes=(_DTYPES[cfg.exp_avg_dtype], _DTYPES[cfg.exp_avg_sq_dtype]))
+                  moment_dtypes=(DTYPES[cfg.exp_avg_dtype], DTYPES[cfg.exp_avg_sq_dtype]))
     if cfg.use_distributed_optimizer:
         return DistributedOptimizer(chunks, overlap_param_gather=cfg.overlap_param_gather, **kwargs)
     return MixedPrecisionOptimizer(chunks, **kwargs)
