@@ -238,36 +238,42 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
 MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-compile+deferred+decoder)
     "fused-ce": {"fused_loss": True}, "float8": {"float8": True, "fused_loss": True},
     "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
-    "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}}
+    "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}, "full-buffer": {"full_buffer": True}}
+NAMED = {  # the named ours-* variants as ours-compile + modifiers
+    "ours-fused-ce": "fused-ce", "ours-float8": "float8", "ours-wgrad-fusion": "wgrad-fusion",
+    "ours-compile-full-buffer": "full-buffer", "ours-torch-adamw": "torch-adamw", "ours-compile-decoder": "decoder",
+    "ours-compile-deferred": "deferred", "ours-compile-budget-0.8": "budget-0.8", "ours-compile-budget-0.5": "budget-0.5"}
+
+
+def _modifier(name: str) -> dict:
+    """ours_step's options of one "+name" (MODIFIERS, or budget-B with 0 < B < 1); KeyError / ValueError."""
+    if not name.startswith("budget-"):
+        return MODIFIERS[name]
+    budget = float(name[len("budget-"):])
+    if not 0 < budget < 1:
+        raise ValueError(name)
+    return {"memory_budget": budget}
 
 
 def ours_options(variant: str) -> dict:
-    """ours_step's options of an ours-* variant, with any "+modifier" (MODIFIERS, or budget-B) applied."""
+    """ours_step's options of an ours-* variant: "ours" (eager) or "ours-compile", or a NAMED one, then
+    its "+modifier"s applied in order."""
     base, *extra = variant.split("+")
-    options = dict(compile=base != "ours", float8=base == "ours-float8",
-                   fused_loss=base in ("ours-fused-ce", "ours-float8"), wgrad_fusion=base == "ours-wgrad-fusion",
-                   full_buffer=base == "ours-compile-full-buffer", torch_adamw=base == "ours-torch-adamw",
-                   scope="decoder" if base == "ours-compile-decoder" else "layer",
-                   deferred=base == "ours-compile-deferred",
-                   memory_budget=float(base.rsplit("-", 1)[1]) if "-budget-" in base else None)
+    if base in NAMED:
+        base, extra = "ours-compile", [NAMED[base], *extra]
+    options = dict(compile=base != "ours")
     for name in extra:
-        options.update({"memory_budget": float(name[len("budget-"):])} if name.startswith("budget-")
-                       else MODIFIERS[name])
+        options.update(_modifier(name))
     return options
 
 
 def variant_name(text: str) -> str:
     """argparse type: one of VARIANTS, or an ours-* one followed by "+modifier"s."""
     base, *extra = text.split("+")
-    ok = base in VARIANTS and (not extra or base.startswith("ours"))
-    for name in extra:
-        if name.startswith("budget-"):
-            try:
-                ok = ok and 0 < float(name[len("budget-"):]) < 1
-            except ValueError:
-                ok = False
-        else:
-            ok = ok and name in MODIFIERS
+    try:
+        ok = base in VARIANTS and (not extra or base.startswith("ours")) and all(_modifier(n) for n in extra)
+    except (KeyError, ValueError):
+        ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"{text!r}: expected one of {', '.join(VARIANTS)}, an ours-* one optionally "
                                          f"followed by +{' +'.join(MODIFIERS)} or +budget-B (0 < B < 1)")

@@ -6,6 +6,9 @@ eager kernels.  Inductor's code generation is left out: on this 2-core CPU it sp
 the C++ compiler for one tiny model (the slow-marked test runs it once).  A counting backend
 checks that the regions really are compiled (a silent eager fallback would pass any parity test).
 """
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -15,6 +18,9 @@ from hf_megatron.loading import build_model
 from hf_megatron.parallel import apply_compile, apply_recompute
 from tiny import rel_err, tiny_hf_model
 from training_helpers import make_batches, training_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from recompute_memory import saved_bytes  # noqa: E402  (bytes autograd keeps for backward)
 
 TOL = 1e-5
 
@@ -167,21 +173,6 @@ def test_inductor_compiled_layers_match_eager():
     assert_same(forward_backward(build_model(hf, compile=True), ids), forward_backward(build_model(hf), ids))
 
 
-def _saved_bytes(model, ids) -> int:
-    """Bytes autograd keeps for backward (distinct storages, parameters left out)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, targets=ids).loss
-    loss.backward()
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 def test_memory_budget_recomputes_instead_of_saving_with_eager_numbers():
     """--activation-memory-budget: AOTAutograd's partitioner (aot_eager runs it as inductor would)
     keeps fewer activations, the numbers stay eager's, and torch's global setting is left alone."""
@@ -190,18 +181,14 @@ def test_memory_budget_recomputes_instead_of_saving_with_eager_numbers():
     eager = build_model(hf)
     default = build_model(hf, compile={"backend": "aot_eager"})
     forward_backward(default, ids)
-    saved_default = _saved_bytes(default, ids)
+    saved_default = saved_bytes(default, ids)
     torch._dynamo.reset()  # dynamo shares a layer's compiled graph between models of one process
     budget = build_model(hf, compile={"backend": "aot_eager", "memory_budget": 0.5})
     assert_same(forward_backward(budget, ids), forward_backward(eager, ids))
-    assert _saved_bytes(budget, ids) < 0.8 * saved_default
+    assert saved_bytes(budget, ids) < 0.8 * saved_default
     assert torch._functorch.config.activation_memory_budget == 1.0
     with pytest.raises(ValueError, match="memory_budget should be > 0 and < 1"):
-        apply_compile(tiny_hf_model_chunk(), memory_budget=1.0)
-
-
-def tiny_hf_model_chunk():
-    return build_model(tiny_hf_model("llama"))
+        apply_compile(build_model(hf), memory_budget=1.0)
 
 
 def test_memory_budget_flag_needs_compile():

@@ -5,11 +5,17 @@ tests/test_compile.py checks the scopes with the aot_eager backend on CPU; here 
 the CUDA code of one region per layer or of the whole decoder, in bf16: loss within 1e-2 relative,
 every gradient within 1e-2 norm-wise (a few bf16 ulps: inductor fuses and reorders the elementwise
 work, eager rounds after every op)."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from hf_megatron.loading import build_model
 from tiny import rel_err, tiny_hf_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from recompute_memory import saved_bytes  # noqa: E402  (bytes autograd keeps for backward)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 BF16_TOL = 1e-2
@@ -38,20 +44,6 @@ def test_inductor_scopes_track_eager_in_bf16(arch, scope):
         assert rel_err(grads[name], grad) <= BF16_TOL, name
 
 
-def _saved_bytes(model, ids) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(ids, targets=ids).loss
-    loss.backward()
-    return sum(n for ptr, n in storages.items() if ptr not in params)
-
-
 @pytest.mark.parametrize("budget", [0.8, 0.5])
 def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
     """--activation-memory-budget with inductor's CUDA code and the csrc SwiGLU custom op in the graph."""
@@ -60,7 +52,7 @@ def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
     torch._dynamo.reset()
     default = build_model(hf, dtype=torch.bfloat16, device="cuda", compile=True)
     _loss_and_grads(default, ids)
-    saved_default = _saved_bytes(default, ids)
+    saved_default = saved_bytes(default, ids)
     torch._dynamo.reset()  # the budget applies to graphs compiled under it
     compiled = build_model(hf, dtype=torch.bfloat16, device="cuda", compile={"memory_budget": budget})
     loss, grads = _loss_and_grads(compiled, ids)
@@ -68,7 +60,7 @@ def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
     assert abs(loss - ref_loss) <= BF16_TOL * abs(ref_loss)
     for name, grad in ref_grads.items():
         assert rel_err(grads[name], grad) <= BF16_TOL, name
-    saved = _saved_bytes(compiled, ids)
+    saved = saved_bytes(compiled, ids)
     print(f"budget {budget}: {saved} of the default partition's {saved_default} bytes saved")
     assert saved < saved_default
     assert torch._functorch.config.activation_memory_budget == 1.0
