@@ -142,3 +142,33 @@ def test_our_earlier_flat_distrib_optim_still_loads(dtype, tmp_path):
         assert got[name][0] == step == 2.0, name
         for mine, want in zip(got[name][1:], (exp_avg, exp_avg_sq, main)):
             assert torch.equal(mine.reshape(-1), want.reshape(-1)), name  # ours: flat fragments
+
+
+def _older_torch_worker(rank, world):
+    """The distributed optimizer's steps and its gathered checkpoint state, with torch >= 2.13's
+    reduce_scatter_single / all_gather_single, then with them hidden (torch < 2.13 lacks them: the
+    collectives fall back to reduce_scatter_tensor / all_gather_into_tensor)."""
+    import torch.distributed as dist
+    from hf_megatron.parallel import state
+    cfg = training_config(**OVERLAP)
+    out = []
+    for hide in (False, True):
+        hidden = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single")
+                  if hide and hasattr(dist, name)}
+        for name in hidden:
+            delattr(dist, name)
+        try:
+            objects = _fresh(cfg, model_config(), cfg.seed)
+            losses = _train(objects, cfg, batches())
+            out.append((losses, objects[1].state_dict()))
+        finally:
+            for name, fn in hidden.items():
+                setattr(dist, name, fn)
+            state.reset()
+    return out
+
+
+def test_collectives_fall_back_to_the_names_older_torch_has():
+    for (losses, saved), (older_losses, older_saved) in run_distributed(_older_torch_worker, 2, ()):
+        assert losses == older_losses
+        torch.testing.assert_close(older_saved, saved, rtol=0, atol=0)

@@ -28,6 +28,20 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """out = shard `rank` of the sum of every rank's `x` (dim 0): `reduce_scatter_single` where torch has
+    it (2.13 deprecates the older name), `reduce_scatter_tensor` before."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
+    """out = every rank's `x` concatenated (dim 0): `all_gather_single` where torch has it,
+    `all_gather_into_tensor` before."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, x, group=group, async_op=async_op)
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     dist.all_reduce(x, group=group)
@@ -53,7 +67,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if dist.get_backend(group) == "nccl" and dim == 0:
         size = group_size(group)
         out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        reduce_scatter_flat(out, x.contiguous(), group)
         return out
     return _split(_all_reduce(x.clone(), group), dim, group)
 

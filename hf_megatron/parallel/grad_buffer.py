@@ -58,6 +58,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_flat, reduce_scatter_flat
 from .wgrad import is_placeholder
 
 ALIGN = 64  # elements: param starts and bucket sizes stay 256-byte aligned (vectorised kernels)
@@ -249,7 +250,7 @@ class GradBuffer:
             return
         if self.reduce_scatter:
             shard = bucket.shard(bucket.grad, self.dp_rank, self.dp)
-            bucket.grad_work = dist.reduce_scatter_single(shard, bucket.grad, group=self.group, async_op=True)
+            bucket.grad_work = reduce_scatter_flat(shard, bucket.grad, self.group, async_op=True)
         else:
             bucket.grad_work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
 
@@ -276,7 +277,7 @@ class GradBuffer:
             return
         for bucket in reversed(self.buckets):
             shard = bucket.shard(bucket.param_data, self.dp_rank, self.dp)
-            bucket.gather_work = dist.all_gather_single(bucket.param_data, shard, group=self.group, async_op=True)
+            bucket.gather_work = all_gather_flat(bucket.param_data, shard, self.group, async_op=True)
         if not async_op:
             self.wait_param_gather()
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError
 from ..parallel import state
+from ..parallel.comm import all_gather_flat
 from ..parallel.compile import compiled_regions
 from .megatron_distrib_optim import distributed_optimizer_entry, grad_buffer_args
 from .optimizer import MixedPrecisionOptimizer
@@ -171,7 +172,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             local[at:at + source.numel()] = source.reshape(-1)
                 whole = local.new_zeros(bucket.numel)
                 if buffer.dp > 1:
-                    dist.all_gather_single(whole, local, group=buffer.group)
+                    all_gather_flat(whole, local, buffer.group)
                 else:
                     whole.copy_(local)
                 if buffer.dp_rank == 0:
