@@ -206,3 +206,30 @@ def _check_errors(messages):
     for key, needle in expected.items():
         assert messages[key] is not None, f"{key}: no error"
         assert needle in messages[key] and "\n" not in messages[key], (key, messages[key])
+
+
+def _dynamo(rank, world):
+    """Two steps with Accelerator(dynamo_backend="aot_eager") and two without, from the same weights."""
+    from hf_megatron.parallel import state
+    from hf_megatron.parallel.compile import compile_scope
+    out = {}
+    for backend in (None, "aot_eager"):
+        os.environ.pop("ACCELERATE_DYNAMO_BACKEND", None)
+        if backend:
+            os.environ["ACCELERATE_DYNAMO_BACKEND"] = backend.upper()  # what `accelerate launch --dynamo_backend` sets
+        try:
+            accelerator, (model, _, loader, _) = _setup(1, 1, shuffle=False)
+            out[backend] = {"losses": _train(model, iter(loader), 2), "scope": compile_scope(model.chunks[0])}
+        finally:
+            os.environ.pop("ACCELERATE_DYNAMO_BACKEND", None)
+            state.reset()
+    return out
+
+
+def test_accelerate_dynamo_backend_compiles_each_layer():
+    """accelerate compiles the prepared model when a dynamo backend is set (and only then); under
+    Megatron-LM the backend compiles each layer of our model, with the eager losses."""
+    out = run_distributed(_dynamo, world_size=1, args=())[0]
+    assert out[None]["scope"] is None and out["aot_eager"]["scope"] == "layer"
+    for a, b in zip(out["aot_eager"]["losses"], out[None]["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b)

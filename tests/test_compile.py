@@ -99,8 +99,9 @@ def test_decoder_scope_flag_needs_compile_and_no_recompute():
     from hf_megatron.errors import ConfigError
     from hf_megatron.training import TrainingConfig
     assert TrainingConfig(torch_compile=True, torch_compile_scope="decoder").torch_compile_scope == "decoder"
-    with pytest.raises(ConfigError, match="expected --torch-compile as well"):
-        TrainingConfig(torch_compile_scope="decoder")
+    with pytest.raises(ConfigError, match="expected torch compile on, got --no-torch-compile"):
+        TrainingConfig(torch_compile=False, torch_compile_scope="decoder")
+    assert TrainingConfig(torch_compile_scope="decoder").compiles("cpu")  # asks for compile, also on CPU
     with pytest.raises(ConfigError, match="expected no --recompute-granularity"):
         TrainingConfig(torch_compile=True, torch_compile_scope="decoder", recompute_granularity="full")
 
@@ -194,9 +195,28 @@ def test_memory_budget_recomputes_instead_of_saving_with_eager_numbers():
 def test_memory_budget_flag_needs_compile():
     from hf_megatron.errors import ConfigError
     with pytest.raises(ConfigError, match=r"activation_memory_budget \(--activation-memory-budget 0.5\): "
-                                          "expected --torch-compile as well"):
-        training_config({}, activation_memory_budget=0.5)
+                                          "expected torch compile on, got --no-torch-compile"):
+        training_config({}, torch_compile=False, activation_memory_budget=0.5)
+    assert training_config({}, activation_memory_budget=0.5).compiles("cpu")
     for bad in (0.0, 1.0):
         with pytest.raises(ConfigError, match="activation_memory_budget"):
             training_config({}, torch_compile=True, activation_memory_budget=bad)
     assert training_config({}, torch_compile=True, activation_memory_budget=0.5).activation_memory_budget == 0.5
+
+
+def test_compile_is_on_by_default_for_a_cuda_model_only():
+    """TrainingConfig.torch_compile unset: a model built for a CUDA device is compiled, one for the CPU
+    is not; --torch-compile / --no-torch-compile decide either way (parsed as the CLI parses them)."""
+    import argparse
+    from hf_megatron.commands.flags import add_flags, configs_from_args
+    from hf_megatron.training import TrainingConfig
+    parser = argparse.ArgumentParser()
+    add_flags(parser, TrainingConfig)
+
+    def parsed(*flags):
+        return configs_from_args(parser.parse_args(["--micro-batch-size", "1", *flags]), TrainingConfig)[0]
+
+    unset, on, off = parsed(), parsed("--torch-compile"), parsed("--no-torch-compile")
+    assert (unset.torch_compile, on.torch_compile, off.torch_compile) == (None, True, False)
+    assert [cfg.compiles(d) for cfg in (unset, on, off) for d in ("cuda", torch.device("cuda", 1), "cpu", None)] == \
+        [True, True, False, False, True, True, True, True, False, False, False, False]

@@ -40,8 +40,10 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
             kwargs: dict = {"dest": f.name, "help": meta["help"].replace("%", "%%")}
             required = f.default is dataclasses.MISSING or meta["cli_required"]
             if kind is bool:
-                assert f.default is False, f"{cls.__name__}.{f.name}: a CLI switch must default to False"
-                kwargs.update(action="store_true")
+                # a switch: off by default, or None = decided at run time (then its off_switch sets False)
+                assert f.default is False or (f.default is None and meta.get("off_switch")), \
+                    f"{cls.__name__}.{f.name}: a CLI switch must default to False (or None, with an off switch)"
+                kwargs.update(action="store_const", const=True, default=f.default)
             else:
                 kwargs.update(type=kind, required=required)
                 if not required:
@@ -53,8 +55,9 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
                     kwargs["help"] += f" (default: {f.default})"
             groups[meta["group"]].add_argument(*meta.get("aliases", ()), flag_of(f.name), **kwargs)
             if meta.get("off_switch"):  # Megatron-LM's negative spelling of a switch: sets it False
-                groups[meta["group"]].add_argument(meta["off_switch"], dest=f.name, action="store_false",
-                                                   default=False, help=f"turn {flag_of(f.name)} off (the default)")
+                groups[meta["group"]].add_argument(
+                    meta["off_switch"], dest=f.name, action="store_const", const=False, default=f.default,
+                    help=f"turn {flag_of(f.name)} off" + (" (the default)" if f.default is False else ""))
 
 
 def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:

@@ -138,17 +138,19 @@ class TrainingConfig:
                                          help="elements per dp-reduction bucket (default: max(40M, 1M x dp))")
     recompute_granularity: str | None = option(None, group="training", choices=RECOMPUTE_GRANULARITIES,
                                                help="activation recomputation (default: none)")
-    torch_compile: bool = option(False, group="speed",
-                                 help="torch.compile each transformer layer and the loss (regional compile)")
+    torch_compile: bool | None = option(
+        None, group="speed", off_switch="--no-torch-compile",
+        help="torch.compile each transformer layer and the loss (regional compile); default: on when the model "
+             "runs on a CUDA GPU (faster and smaller there: bench/RESULTS.md), off on CPU")
     torch_compile_scope: str = option(
         "layer", group="speed", choices=COMPILE_SCOPES,
-        help="with --torch-compile: layer = each transformer layer its own region (one graph reused by every "
-             "layer: short compile); decoder = this stage's whole decoder stack as one region (longer compile, "
-             "one compiled call per pass instead of one per layer, fusion across layers; not with "
-             "--recompute-granularity)")
+        help="the compiled regions (compile: on CUDA by default): layer = each transformer layer its own region "
+             "(one graph reused by every layer: short compile); decoder = this stage's whole decoder stack as one "
+             "region (asks for compile; longer compile, one compiled call per pass instead of one per layer, fusion "
+             "across layers; not with --recompute-granularity)")
     activation_memory_budget: float | None = option(
         None, group="speed", above=0.0, below=1.0,
-        help="with --torch-compile: the compiled regions save at most about this fraction of the activations "
+        help="compiled regions (asks for compile) save at most about this fraction of the activations "
              "torch's partitioner keeps by default and recompute the cheapest rest in backward (torch's "
              "activation_memory_budget, torchtitan's memory_budget mode): less memory for some recompute "
              "(default: off)")
@@ -208,17 +210,17 @@ class TrainingConfig:
                               "--fp8-format as well (it keeps layers out of float8)")
         if self.bf16 and self.fp16:
             raise ConfigError("TrainingConfig: bf16 and fp16 are exclusive (--bf16 / --fp16: give at most one)")
-        if self.torch_compile_scope != "layer" and not self.torch_compile:
+        if self.torch_compile_scope != "layer" and self.torch_compile is False:
             raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope {self.torch_compile_scope}): "
-                              "expected --torch-compile as well")
+                              "expected torch compile on, got --no-torch-compile")
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, name) != "fp32" and not self.use_precision_aware_optimizer:
                 raise ConfigError(f"TrainingConfig.{name} ({flag_of(name)} {getattr(self, name)}): expected "
                                   "--use-precision-aware-optimizer as well (Megatron-LM's rule: only its optimizer "
                                   "keeps lower-precision moments)")
-        if self.activation_memory_budget is not None and not self.torch_compile:
+        if self.activation_memory_budget is not None and self.torch_compile is False:
             raise ConfigError(f"TrainingConfig.activation_memory_budget (--activation-memory-budget "
-                              f"{self.activation_memory_budget:g}): expected --torch-compile as well")
+                              f"{self.activation_memory_budget:g}): expected torch compile on, got --no-torch-compile")
         if self.torch_compile_scope == "decoder" and self.recompute_granularity is not None:
             raise ConfigError(f"TrainingConfig.torch_compile_scope (--torch-compile-scope decoder): expected no "
                               f"--recompute-granularity (got {self.recompute_granularity}); use "
@@ -277,6 +279,15 @@ class TrainingConfig:
             raise ConfigError(f"TrainingConfig.train_samples (--train-samples): expected at least one global "
                               f"batch ({global_batch_size} samples), got {self.train_samples}")
         return dataclasses.replace(self, train_iters=iters, train_samples=None)
+
+    def compiles(self, device) -> bool:
+        """Whether a model built for `device` is compiled: --torch-compile / --no-torch-compile as given;
+        unset, on for a CUDA device (and wherever --torch-compile-scope decoder or --activation-memory-budget,
+        options of the compiled regions, ask for it), off elsewhere."""
+        if self.torch_compile is not None:
+            return self.torch_compile
+        asked = self.torch_compile_scope != "layer" or self.activation_memory_budget is not None
+        return asked or (device is not None and torch.device(device).type == "cuda")
 
     @property
     def params_dtype(self) -> torch.dtype:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..checkpoint.files import write_text_atomic
 from ..errors import ConfigError, DataError, HFMegatronError
 from ..parallel import state
+from ..parallel.compile import compile_scope
 from . import tokenizer_files, trainer
 from .config import RunConfig  # noqa: F401  (re-exported: code imports it from here)
 
@@ -237,7 +238,8 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
             break
     summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
                "tokens": consumed * run.seq_length, "consumed_samples": consumed, **counters,
-               "exit_reason": exit_reason, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+               "exit_reason": exit_reason, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
+               "torch_compile": compile_scope(chunks[0])}  # the compile scope, or None (eager)
     if run.save and saved_at != iteration and iteration > restored.iteration:  # never a copy of what was loaded
         with monitor.saving(iteration):
             save(iteration, last.get("loss"))

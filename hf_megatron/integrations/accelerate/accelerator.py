@@ -79,6 +79,12 @@ class Accelerator(accelerate.Accelerator):
         with _env(ENV_FLAG, "false"):
             super().__init__(*args, **kwargs)
         self.megatron_config = training_config_from_plugin(plugin, self.mixed_precision)
+        # accelerate's dynamo plugin (--dynamo_backend, Accelerator(dynamo_backend=...)): accelerate compiles the
+        # prepared model with it; here its torch.compile keywords go to our regional compile of each layer
+        dynamo = self.state.dynamo_plugin
+        self._compile_kwargs = dynamo.to_kwargs() if dynamo is not None and dynamo.backend.value != "NO" else None
+        if self._compile_kwargs is not None:
+            self.megatron_config.torch_compile = True
         self.megatron_grid = trainer.setup_parallel(self.megatron_config)
         plugin.set_mixed_precision(self.mixed_precision)
         plugin.micro_batch_size = getattr(plugin, "micro_batch_size", None)
@@ -148,7 +154,9 @@ class Accelerator(accelerate.Accelerator):
             source = ModelConfig.from_hf(model.config.to_dict())
         else:
             source = model
-        chunks = trainer.build_model(source, cfg, device=self.device)
+        compile_kwargs = {} if self._compile_kwargs is None else {"compile": {
+            **self._compile_kwargs, "scope": cfg.torch_compile_scope, "memory_budget": cfg.activation_memory_budget}}
+        chunks = trainer.build_model(source, cfg, device=self.device, **compile_kwargs)
         self._engine = MegatronEngine(chunks, cfg, model.config, self)
         self._hf_refs = hf_param_refs(model)
         self._models.append(self._engine)

@@ -75,6 +75,9 @@ def training_config_from_plugin(plugin, mixed_precision: str) -> trainer.Trainin
         raise ConfigError("MegatronLMPlugin.num_layers_per_virtual_pipeline_stage is not supported; set "
                           "other_megatron_args={'virtual_pipeline_model_parallel_size': N} instead")
     fields.update(other)
+    # an accelerate script compiles when it asks (accelerate's own default is no dynamo backend; the
+    # Accelerator maps its dynamo plugin onto this), not by default
+    fields.setdefault("torch_compile", False)
     if fields.get("defer_step_stats"):
         raise ConfigError("megatron_lm_config / other_megatron_args: defer_step_stats is an option of `hf-megatron "
                           "train`'s own loop; an accelerate script reads its losses itself (leave it out)")
