@@ -7,14 +7,16 @@ Every option trains hf_megatron's model from the same initial weights (bench/thr
 `hf_model`: transformers' init drawn with seed 0, converted by `build_model`) on the same batches,
 with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- plus the option:
 
-    default                      nothing else
+    default                      nothing else (on CUDA that compiles each layer: the default since session 8;
+                                 before it, the default curve was eager)
     default (again)              the same run repeated: the run-to-run noise floor (non-deterministic
                                  GPU kernels, e.g. atomics in the attention and embedding backward)
     default (perturbed init)     the default with every initial weight w replaced by w (1 + 1e-3 z),
                                  z ~ N(0, 1) (seed 0): how far the bf16 curve itself moves when its
                                  start moves by about what float8's first step does (its step-1 loss
                                  differed by 4e-4 in session 5) -- the floor a per-step bound can see
-    torch-compile                --torch-compile (each layer and the loss compiled)
+    torch-compile                --torch-compile (each layer and the loss compiled; on CUDA the default)
+    no-torch-compile             --no-torch-compile (eager)
     cross-entropy-loss-fusion    --cross-entropy-loss-fusion (output layer + loss in chunks)
     fp8-format hybrid            --fp8-format hybrid --fp8-recipe tensorwise (torchao float8 linears)
     fp8-recipe rowwise           --fp8-format e4m3 --fp8-recipe rowwise (a scale per row)
@@ -27,6 +29,13 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     torch-adamw                  torch's fused AdamW instead of csrc/adamw.cu (the default's AdamW on
                                  CUDA since session 7; the same as default elsewhere)
     exp-avg-dtype bf16           --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (moments kept in bf16)
+    hf bf16                      the anchor of the float8 question, without our code: transformers' model
+                                 from the same weights, bf16 autocast over fp32 weights, torch's fused
+                                 AdamW (weight decay on matrices only, the same lr schedule and clip), the
+                                 loss computed from its logits on the same targets
+    hf fp8-format hybrid         hf bf16 with torchao's own convert_to_float8_training (tensorwise scales,
+                                 lm_head left in bf16): how far float8 moves a curve in torchao's intended
+                                 use; compared with "hf bf16", not with "default"
 
 Data (`--data`): "text" (default) is real text: the Python standard library's own .py sources
 (docstrings, comments and code; files in sorted order from `sysconfig`'s stdlib folder) split into
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -68,6 +78,7 @@ OPTIONS = {
     "default (again)": {},
     "default (perturbed init)": {"_perturb": 1e-3},
     "torch-compile": {"torch_compile": True},
+    "no-torch-compile": {"torch_compile": False},
     "cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": True},
     "fp8-format hybrid": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise"},
     "fp8-recipe rowwise": {"fp8_format": "e4m3", "fp8_recipe": "rowwise"},
@@ -77,7 +88,10 @@ OPTIONS = {
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "torch-adamw": {"_torch_adamw": True},
     "exp-avg-dtype bf16": {"use_precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"},
+    "hf bf16": {"_hf": "bf16"},
+    "hf fp8-format hybrid": {"_hf": "fp8"},
 }
+HF_REFERENCE = "hf bf16"  # what the "hf ..." rows are compared with
 WORD = re.compile(r"\w+|[^\w\s]")
 
 
@@ -142,6 +156,33 @@ def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, war
         state.reset()
 
 
+def run_hf(spec, precision: str, data: list[dict], lr: float, device: str, warmup: int = 2) -> list[float]:
+    """The step losses of transformers' model trained without our code (see "hf bf16" in the module
+    docstring); `precision` "fp8": torchao's float8 training on every linear but lm_head."""
+    model = throughput.hf_model(spec, device)
+    model.train()
+    if precision == "fp8":
+        from torchao.float8 import convert_to_float8_training
+        convert_to_float8_training(model, module_filter_fn=lambda module, fqn: fqn != "lm_head")
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": BASE["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr, fused=device.startswith("cuda"))
+    losses = []
+    for n, batch in enumerate(data):
+        for group in optimizer.param_groups:  # Megatron's warm-up: step n runs at lr * n / W
+            group["lr"] = lr * min(n / warmup, 1.0) if warmup else lr
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+            logits = model(input_ids=batch["input_ids"]).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch["targets"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, BASE["clip_grad"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
 def measure(spec, args) -> dict[str, dict]:
     from hf_megatron.errors import HFMegatronError
     from hf_megatron.training import TrainingConfig
@@ -150,13 +191,15 @@ def measure(spec, args) -> dict[str, dict]:
     results = {}
     for name in args.options:
         fields = OPTIONS[name]
-        missing = sorted(set(fields) - fields_known - {"_perturb", "_torch_adamw"})
+        missing = sorted(set(fields) - fields_known - {"_perturb", "_torch_adamw", "_hf"})
         if missing:
             results[name] = {"skipped": f"TrainingConfig has no field {', '.join(missing)} on this branch"}
         else:
             throughput.free_memory(args.device)
             try:
-                results[name] = {"losses": run_option(spec, fields, data, args.lr, args.device, args.warmup_iters)}
+                run = functools.partial(run_hf, spec, fields["_hf"]) if "_hf" in fields else \
+                    functools.partial(run_option, spec, fields)
+                results[name] = {"losses": run(data, args.lr, args.device, args.warmup_iters)}
             except HFMegatronError as error:  # e.g. float8 without a float8 GPU: one line, said in the table
                 results[name] = {"skipped": str(error)}
             except Exception as error:  # out of memory, compile failure: a row, not a crash
@@ -168,9 +211,10 @@ def measure(spec, args) -> dict[str, dict]:
 
 
 def compare(results: dict[str, dict], tolerance: float) -> None:
-    """Adds max_rel_diff (vs "default") and passed to every option that ran."""
-    reference = results.get("default", {}).get("losses")
-    for row in results.values():
+    """Adds max_rel_diff (vs "default", or vs "hf bf16" for the "hf ..." rows) and passed to every
+    option that ran."""
+    for name, row in results.items():
+        reference = results.get(HF_REFERENCE if name.startswith("hf ") else "default", {}).get("losses")
         if reference and "losses" in row:
             row["max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], reference))
             row["passed"] = row["max_rel_diff"] <= tolerance
@@ -182,7 +226,7 @@ def markdown(results: dict[str, dict], tolerance: float) -> str:
     steps = len(results[ran[0]]["losses"]) if ran else 0
     for n in range(steps):
         lines.append(f"| {n + 1} | " + " | ".join(f"{results[name]['losses'][n]:.4f}" for name in ran) + " |")
-    lines.append("| max rel diff vs default | " + " | ".join(
+    lines.append("| max rel diff vs default (hf rows: vs hf bf16) | " + " | ".join(
         f"{results[name].get('max_rel_diff', float('nan')):.2e}" for name in ran) + " |")
     lines.append(f"| within {tolerance:.0%} | " + " | ".join(
         ("pass" if results[name].get("passed") else "FAIL") for name in ran) + " |")

@@ -45,8 +45,10 @@ def test_issue14_plan_names_real_variants_options_and_tests():
         for model in _values(argv, "--models") + _values(argv, "--model"):
             assert model in throughput.MODELS, model
         if argv[1:3] == ["-m", "pytest"]:
-            tests = [w for w in argv if w.startswith("tests/")]
-            assert tests and all((ROOT / t).is_file() for t in tests), tests
+            tests = [w.split("::") for w in argv if w.startswith("tests/")]  # a file, or file::test
+            assert tests and all((ROOT / t[0]).is_file() for t in tests), tests
+            for path, *node in tests:
+                assert all(f"def {name}(" in (ROOT / path).read_text() for name in node), (path, node)
             checked += len(tests)
     assert checked > 30
     stages = re.findall(r"^(\S+)\)$", (ROOT / "bench" / "issue14_gpu.sh").read_text(), flags=re.M)
