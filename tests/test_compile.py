@@ -220,3 +220,42 @@ def test_compile_is_on_by_default_for_a_cuda_model_only():
     assert (unset.torch_compile, on.torch_compile, off.torch_compile) == (None, True, False)
     assert [cfg.compiles(d) for cfg in (unset, on, off) for d in ("cuda", torch.device("cuda", 1), "cpu", None)] == \
         [True, True, False, False, True, True, True, True, False, False, False, False]
+
+
+def _pp_worker(rank, world, layout):
+    """Two steps of one pipeline layout, compiled (aot_eager, counted) and eager, from the same weights."""
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model as build_chunks, build_optimizer, build_scheduler, setup_parallel, \
+        split_batch, train_step
+    from tiny import engine_batch
+    from training_helpers import global_state_dict, layer_kwargs
+    out, keep_alive = {}, []
+    for name in ("compiled", "eager"):
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        cfg = training_config(layout)
+        setup_parallel(cfg)
+        chunks = build_chunks(tiny_hf_model("llama", **layer_kwargs("llama")), cfg,
+                              compile={"backend": counter} if name == "compiled" else False)
+        keep_alive.append(chunks)  # the pipeline caches schedules by chunk id: no id reuse
+        optimizer = build_optimizer(chunks, cfg)
+        scheduler = build_scheduler(optimizer, cfg)
+        losses = [train_step(chunks, optimizer, scheduler, split_batch(engine_batch(b), cfg))["loss"]
+                  for b in make_batches(2)]
+        out[name] = {"losses": losses, "state": global_state_dict(chunks), "frames": counter.frame_count}
+        state.reset()
+    return out
+
+
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 2, "vpp": 2}])
+def test_compile_composes_with_pipeline_parallel(layout):
+    """Compile is the CUDA default, so every layout must keep the eager numbers compiled: pp=2, and the
+    interleaved schedule (two chunks per stage), each stage's layers compiled."""
+    for result in run_distributed(_pp_worker, 2, (layout,)):
+        compiled, eager = result["compiled"], result["eager"]
+        assert compiled["frames"] >= 1 and eager["frames"] == 0
+        for a, b in zip(compiled["losses"], eager["losses"]):
+            assert abs(a - b) <= TOL * abs(b)
+        assert compiled["state"].keys() == eager["state"].keys()
+        for name, weight in eager["state"].items():
+            assert rel_err(compiled["state"][name], weight) <= TOL, name
