@@ -259,3 +259,50 @@ def test_compile_composes_with_pipeline_parallel(layout):
         assert compiled["state"].keys() == eager["state"].keys()
         for name, weight in eager["state"].items():
             assert rel_err(compiled["state"][name], weight) <= TOL, name
+
+
+def _broken_backend(gm, example_inputs):
+    raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+
+@pytest.mark.parametrize("fused_loss", [False, True])
+def test_a_failed_default_compile_warns_once_and_trains_eager(fused_loss):
+    """compile is the CUDA default: where it cannot run (triton without a C compiler, a GPU too old for
+    triton), `fallback` warns once and every region runs eager with eager's numbers; asked for
+    explicitly (no fallback), the failure is raised."""
+    hf = tiny_hf_model("llama")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    eager = forward_backward(build_model(hf, fused_loss=fused_loss), ids)
+    model = build_model(hf, fused_loss=fused_loss, compile={"backend": _broken_backend, "fallback": True})
+    with pytest.warns(UserWarning, match=r"torch.compile failed here \(RuntimeError: Failed to find C compiler") as seen:
+        first = forward_backward(model, ids)
+    assert sum("torch.compile failed" in str(w.message) for w in seen) == 1
+    assert_same(first, eager)
+    assert_same(forward_backward(model, ids), eager)  # and eager from then on
+    strict = build_model(hf, fused_loss=fused_loss, compile={"backend": _broken_backend})
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="Failed to find C compiler"):
+        forward_backward(strict, ids)
+
+
+def test_only_the_default_compile_falls_back(monkeypatch):
+    """trainer.build_model: compile by default (torch_compile unset; here asked for on CPU by the decoder
+    scope) falls back to eager on a failed compile; --torch-compile given raises it."""
+    import hf_megatron.parallel.compile as compile_module
+    from hf_megatron.training import TrainingConfig, build_model as build_chunks, setup_parallel
+    from hf_megatron.parallel import state
+    real = torch.compile
+    monkeypatch.setattr(compile_module.torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": _broken_backend}))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    for asked in (None, True):
+        cfg = TrainingConfig(torch_compile=asked, torch_compile_scope="decoder")
+        setup_parallel(cfg)
+        try:
+            chunk = build_chunks(tiny_hf_model("llama"), cfg, device="cpu")[0]
+            if asked:
+                with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+                    forward_backward(chunk, ids)
+            else:
+                with pytest.warns(UserWarning, match="the model runs eager from now on"):
+                    forward_backward(chunk, ids)
+        finally:
+            state.reset()

@@ -52,8 +52,10 @@ without SP), just split into more compiled pieces.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+import torch._dynamo.exc
 import torch._functorch.config
 from torch import nn
 
@@ -99,13 +101,41 @@ def _under_budget(forward, budget: float):
     return run
 
 
+class EagerFallback:
+    """Shared by the compiled regions of one model (`apply_compile(..., fallback=True)`): the first
+    region whose compile fails (torch's BackendCompilerFailed: no C compiler for triton, a GPU too old
+    for triton, ...) warns once and every region runs its eager forward from then on -- where compile
+    is a default and not something the user asked for, a machine that cannot compile still trains."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def guard(self, compiled, eager):
+        """`compiled`, or `eager` once any region of this model failed to compile."""
+        @functools.wraps(eager)
+        def run(*args, **kwargs):
+            if not self.failed:
+                try:
+                    return compiled(*args, **kwargs)
+                except torch._dynamo.exc.BackendCompilerFailed as error:
+                    self.failed = True
+                    reason = str(error.inner_exception).strip().splitlines() or [type(error.inner_exception).__name__]
+                    warnings.warn(f"hf_megatron: torch.compile failed here ({type(error.inner_exception).__name__}: "
+                                  f"{reason[0][:200]}); the model runs eager from now on (--torch-compile shows the "
+                                  "whole error, --no-torch-compile skips compiling)", stacklevel=2)
+            return eager(*args, **kwargs)
+
+        return run
+
+
 def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor", scope: str = "layer",
-                  memory_budget: float | None = None, **compile_kwargs) -> nn.Module:
+                  memory_budget: float | None = None, fallback: bool = False, **compile_kwargs) -> nn.Module:
     """Compile each transformer layer (`scope` "decoder": the whole decoder stack) and the vocab
     loss of `model` in place; returns model.
 
     `mode` and `backend` (and any other keyword) go to `torch.compile`; `memory_budget` (0 < B < 1,
-    see the module docstring) to AOTAutograd's partitioner.  Apply after `parallelize` and before
+    see the module docstring) to AOTAutograd's partitioner; `fallback`: a failed compile warns and
+    runs eager (EagerFallback) instead of raising.  Apply after `parallelize` and before
     `apply_recompute` (see the module docstring); applying twice is a no-op."""
     if scope not in SCOPES:
         raise ValueError(f"apply_compile: scope should be one of {SCOPES}, got {scope!r}")
@@ -117,16 +147,20 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
         raise ValueError("apply_compile: scope 'decoder' with activation recompute applied; compile per layer "
                          "to recompute (the checkpoints would be traced inside the region)")
     setattr(model, _SCOPE, scope)
+    guard = EagerFallback() if fallback else None
     for name, module in compiled_regions(model, scope):
         if getattr(module, _COMPILED, False):
             continue
         if _recomputed(module):  # recompute's checkpoint around the forward
             raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
                              "then apply_recompute (the checkpoint must wrap the compiled forward)")
-        module.forward = torch.compile(module.forward, mode=mode, backend=backend, **compile_kwargs)
+        eager = module.forward
+        module.forward = torch.compile(eager, mode=mode, backend=backend, **compile_kwargs)
         if memory_budget is not None:
             module.forward = _under_budget(module.forward, memory_budget)
+        if guard is not None:
+            module.forward = guard.guard(module.forward, eager)
         if hasattr(module, "compile_chunks"):  # the fused output layer + loss (parallel/linear_loss.py)
-            module.compile_chunks(mode=mode, backend=backend, **compile_kwargs)
+            module.compile_chunks(guard, mode=mode, backend=backend, **compile_kwargs)
         setattr(module, _COMPILED, True)
     return model

@@ -169,10 +169,12 @@ class FusedLinearLoss(nn.Module):
         self.vocab_size, self.chunk_bytes = inner.vocab_size, chunk_bytes
         self.fns = EAGER
 
-    def compile_chunks(self, **compile_kwargs) -> None:
+    def compile_chunks(self, guard=None, **compile_kwargs) -> None:
         """torch.compile the per-chunk elementwise work (called by parallel.compile.apply_compile):
-        COMPILED's three passes, each one fused kernel over the raw logits (see above)."""
-        self.fns = tuple(torch.compile(fn, **compile_kwargs) for fn in COMPILED)
+        COMPILED's three passes, each one fused kernel over the raw logits (see above); `guard`: the
+        model's compile.EagerFallback, or None."""
+        compiled = (torch.compile(fn, **compile_kwargs) for fn in COMPILED)
+        self.fns = tuple(c if guard is None else guard.guard(c, fn) for c, fn in zip(compiled, COMPILED))
 
     def forward(self, logits, targets):
         return self.inner(logits, targets)
