@@ -247,7 +247,7 @@ def _pp_worker(rank, world, layout):
     return out
 
 
-@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 2, "vpp": 2}])
+@pytest.mark.parametrize("layout", [{"pp": 2}, pytest.param({"pp": 2, "vpp": 2}, marks=pytest.mark.slow)])
 def test_compile_composes_with_pipeline_parallel(layout):
     """Compile is the CUDA default, so every layout must keep the eager numbers compiled: pp=2, and the
     interleaved schedule (two chunks per stage), each stage's layers compiled."""
