@@ -289,6 +289,16 @@ class TrainingConfig:
         asked = self.torch_compile_scope != "layer" or self.activation_memory_budget is not None
         return asked or (device is not None and torch.device(device).type == "cuda")
 
+    def compile_options(self, device, **torch_compile_kwargs) -> dict | bool:
+        """build_model's `compile` for a model on `device`: False (`compiles` says no), or the regional
+        compile's options -- `torch_compile_kwargs` for torch.compile, the scope, the memory budget, and
+        the eager fallback where compile is only the default (a machine that cannot compile warns and
+        trains eager; asked for, the failure is raised)."""
+        if not self.compiles(device):
+            return False
+        return {**torch_compile_kwargs, "scope": self.torch_compile_scope, "memory_budget": self.activation_memory_budget,
+                "fallback": self.torch_compile is None}
+
     @property
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32

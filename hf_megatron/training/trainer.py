@@ -54,10 +54,7 @@ def setup_parallel(cfg: TrainingConfig) -> state.ParallelState:
 
 def build_model(source, cfg: TrainingConfig, **gpt_kwargs) -> list:
     """This rank's model chunks (pretrained HF weights, or a fresh init for a ModelConfig)."""
-    # compile by default (torch_compile unset): a machine that cannot compile warns and trains eager
-    gpt_kwargs.setdefault("compile", {"scope": cfg.torch_compile_scope, "memory_budget": cfg.activation_memory_budget,
-                                      "fallback": cfg.torch_compile is None}
-                          if cfg.compiles(gpt_kwargs.get("device")) else False)
+    gpt_kwargs.setdefault("compile", cfg.compile_options(gpt_kwargs.get("device")))
     gpt_kwargs.setdefault("fused_loss", cfg.cross_entropy_loss_fusion)
     if cfg.fp8_format is not None:
         gpt_kwargs.setdefault("fp8", (cfg.fp8_format, cfg.fp8_recipe))

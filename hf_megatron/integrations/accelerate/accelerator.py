@@ -154,9 +154,8 @@ class Accelerator(accelerate.Accelerator):
             source = ModelConfig.from_hf(model.config.to_dict())
         else:
             source = model
-        compile_kwargs = {} if self._compile_kwargs is None else {"compile": {
-            **self._compile_kwargs, "scope": cfg.torch_compile_scope, "memory_budget": cfg.activation_memory_budget}}
-        chunks = trainer.build_model(source, cfg, device=self.device, **compile_kwargs)
+        chunks = trainer.build_model(source, cfg, device=self.device,
+                                     compile=cfg.compile_options(self.device, **(self._compile_kwargs or {})))
         self._engine = MegatronEngine(chunks, cfg, model.config, self)
         self._hf_refs = hf_param_refs(model)
         self._models.append(self._engine)
