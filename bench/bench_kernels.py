@@ -1,6 +1,6 @@
 """Fused CUDA kernels vs PyTorch eager vs torch.compile, Llama-3-8B-like shapes in bf16.
 
-    python bench/bench_kernels.py [--tokens 8192 --hidden 4096 --ffn 14336 --heads 32 --head-dim 128]
+    python bench/bench_kernels.py [--tokens 8192 --hidden 4096 --ffn 14336 --heads 32 --head-dim 128 --vocab 128256]
 
 Builds the extension on first use (hf_megatron/kernels/build.py).  For each op and pass (forward
 alone under no_grad; forward + backward through autograd) it prints the median time of CUDA-event
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install needed
 
 from hf_megatron import kernels  # noqa: E402
-from hf_megatron.kernels import reference  # noqa: E402
+from hf_megatron.kernels import cross_entropy, reference  # noqa: E402
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
@@ -45,7 +45,7 @@ def copy_bandwidth(nbytes: int, warmup: int, iters: int) -> float:
     return 2 * nbytes / ms / 1e6  # read + write, GB/s
 
 
-def make_cases(tokens, hidden, ffn, heads, head_dim, dtype):
+def make_cases(tokens, hidden, ffn, heads, head_dim, dtype, vocab=128256):
     """(name, inputs factory, which inputs get grads, fused fn, eager fn, bytes forward, bytes backward)."""
     e = torch.empty((), dtype=dtype).element_size()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -65,6 +65,11 @@ def make_cases(tokens, hidden, ffn, heads, head_dim, dtype):
         emb = torch.cat((pos * inv_freq, pos * inv_freq), -1)
         return [rand(1, heads, tokens, head_dim), emb.cos().to(dtype), emb.sin().to(dtype)]
 
+    targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+
+    def logits_inputs():
+        return [rand(tokens, vocab)]
+
     eps = 1e-5
     table = 2 * tokens * head_dim * e  # cos + sin
     return [
@@ -78,6 +83,10 @@ def make_cases(tokens, hidden, ffn, heads, head_dim, dtype):
         ("rotary", rotary_inputs, (True, False, False), kernels.apply_rotary, reference.apply_rotary_reference,
          2 * heads * tokens * head_dim * e + table,       # read x, cos, sin; write y
          2 * heads * tokens * head_dim * e + table),      # read dy, cos, sin; write dx
+        ("cross_ent", logits_inputs, (True,), lambda z: cross_entropy.cross_entropy(z, targets, vocab, -100),
+         lambda z: reference.cross_entropy_reference(z, targets, vocab, -100),
+         tokens * vocab * e + 12 * tokens,                # read logits, targets; write loss (+ lse)
+         2 * tokens * vocab * e + 16 * tokens),           # read logits, dloss, lse, targets; write d logits
     ]
 
 
@@ -130,6 +139,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ffn", type=int, default=14336)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=128256, help="cross entropy over [tokens, vocab] logits")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
@@ -154,7 +164,7 @@ def main(argv=None) -> int:
 
     compile_error = None
     for name, make_inputs, needs_grad, fused, eager, fwd_bytes, bwd_bytes in make_cases(
-            args.tokens, args.hidden, args.ffn, args.heads, args.head_dim, dtype):
+            args.tokens, args.hidden, args.ffn, args.heads, args.head_dim, dtype, args.vocab):
         inputs = make_inputs()
         impls = {"fused": fused, "eager": eager}
         if not args.no_compile and compile_error is None:

@@ -12,6 +12,9 @@
 #   STAGE=xl      bash bench/issue14_gpu.sh   # GPT-2 XL, last measured in session 5 (1.08x) (~5 min)
 #   STAGE=fp8-anchor bash bench/issue14_gpu.sh   # the CLI's default compile on CUDA; torchao's float8 on transformers'
 #                                             # own model against its bf16 curve, beside ours (~4 min)
+#   STAGE=ce      bash bench/issue14_gpu.sh   # session 10: the csrc cross entropy's tests, kernel times at the
+#                                             # 1.2B's shapes, and the 1.2B's speed with and without it (~6 min)
+#   STAGE=ce-gpt2 bash bench/issue14_gpu.sh   # GPT-2 medium likewise, then the 1.2B's profile (~6 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -67,5 +70,20 @@ fp8-anchor)
   # is a 2-4% departure float8's nature? torchao on transformers' model, from the same weights and data
   python3 bench/loss_curves.py --out "$OUT/curves_fp8_anchor.json" --options default "fp8-format hybrid" \
     "hf bf16" "hf fp8-format hybrid" 2>&1 | tail -4
+  ;;
+ce)
+  python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cross_entropy_gpu.py tests/test_kernels_gpu.py \
+    tests/test_linear_loss.py tests/test_compile_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
+  python3 bench/bench_kernels.py --tokens 16384 --hidden 2048 --ffn 8192 --heads 32 --head-dim 64 --vocab 128256 \
+    2>&1 | tee "$OUT/kernels.txt" | tail -22
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/llama.json" --variants hf-compile \
+    ours-compile+torch-ce ours-compile ours-compile+deferred+bf16-moments+torch-ce ours-compile+deferred+bf16-moments \
+    2>&1 | tail -8
+  ;;
+ce-gpt2)
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
+    ours-compile+torch-ce ours-compile ours-compile+deferred+decoder+torch-ce ours-compile+deferred+decoder 2>&1 | tail -8
+  python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 10 \
+    --breakdown "other elementwise" "copy/cast" "compiled (triton)" 2>&1 | tee "$OUT/profile_llama.txt" | tail -50
   ;;
 esac

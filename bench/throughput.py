@@ -190,7 +190,7 @@ def session5_optimizer(chunks, cfg):
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
               torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
-              memory_budget: float | None = None, bf16_moments: bool = False):
+              memory_budget: float | None = None, bf16_moments: bool = False, torch_ce: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -199,6 +199,9 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
                          gradient_accumulation_fusion=wgrad_fusion, use_precision_aware_optimizer=bf16_moments,
                          exp_avg_dtype="bf16" if bf16_moments else "fp32",
                          exp_avg_sq_dtype="bf16" if bf16_moments else "fp32")
+    if torch_ce:  # the loss as PyTorch's cross entropy (compiled) instead of csrc/cross_entropy.cu; each
+        from hf_megatron.kernels import cross_entropy  # variant runs in its own process
+        cross_entropy.kernel_fits = lambda *args: False
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -238,7 +241,8 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
 MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-compile+deferred+decoder)
     "fused-ce": {"fused_loss": True}, "float8": {"float8": True, "fused_loss": True},
     "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
-    "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}, "full-buffer": {"full_buffer": True}}
+    "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}, "full-buffer": {"full_buffer": True},
+    "torch-ce": {"torch_ce": True}}
 NAMED = {  # the named ours-* variants as ours-compile + modifiers
     "ours-fused-ce": "fused-ce", "ours-float8": "float8", "ours-wgrad-fusion": "wgrad-fusion",
     "ours-compile-full-buffer": "full-buffer", "ours-torch-adamw": "torch-adamw", "ours-compile-decoder": "decoder",

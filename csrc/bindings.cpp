@@ -19,6 +19,11 @@ void multi_tensor_adamw(const at::Tensor& table, const at::Tensor& blocks, const
                         const c10::optional<at::Tensor>& grad_scale, const c10::optional<at::Tensor>& found_inf);
 at::Tensor multi_tensor_sum_of_squares(const at::Tensor& table, const at::Tensor& blocks,
                                        const at::Tensor& grad_like);
+std::vector<at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at::Tensor& targets, int64_t vocab,
+                                              int64_t ignore_index);
+at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
+                                  const at::Tensor& lse, int64_t vocab, int64_t ignore_index,
+                                  const c10::optional<at::Tensor>& out);
 }  // namespace hf_megatron
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -33,5 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(fp32 or bf16 moments), lr, beta1, beta2, eps, weight_decay, grad_scale, found_inf");
   m.def("multi_tensor_sum_of_squares", &hf_megatron::multi_tensor_sum_of_squares,
         "fp64 sum of squares per block of a tensor list: table, blocks, grad_like -> partial [b]");
+  m.def("cross_entropy_forward", &hf_megatron::cross_entropy_forward,
+        "cross entropy: logits [rows, width], targets int64 [rows], vocab, ignore_index -> (loss, lse) fp32 [rows]");
+  m.def("cross_entropy_backward", &hf_megatron::cross_entropy_backward,
+        "cross entropy backward: grad fp32 [rows], logits, targets, lse, vocab, ignore_index, out (None or logits) "
+        "-> d logits");
   m.def("rotary_backward", &hf_megatron::rotary_backward, "rotary backward: dy, cos, sin -> dx");
 }

@@ -34,3 +34,9 @@ def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """x: [b, heads, s, d]; cos/sin: [b, s, d]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def cross_entropy_reference(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+                            ignore_index: int) -> torch.Tensor:
+    """Per-row fp32 cross entropy over the first `vocab_size` columns; logits [rows, V_padded]."""
+    return F.cross_entropy(logits[..., :vocab_size].float(), targets, ignore_index=ignore_index, reduction="none")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.cross_entropy import cross_entropy as fused_cross_entropy
 from .attention import build_attention_mask
 from .block import TransformerLayer
 from .norms import make_norm
@@ -122,11 +123,13 @@ class VocabLoss(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """logits [s, b, V_padded], targets [s, b] -> fp32 losses [s, b] (0 where ignored)."""
-        logits = logits[..., : self.vocab_size].float()
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="none").view(targets.shape)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, keep_logits: bool = True) -> torch.Tensor:
+        """logits [s, b, V_padded], targets [s, b] -> fp32 losses [s, b] (0 where ignored).
+
+        On CUDA the fused kernel of kernels/cross_entropy.py; `keep_logits=False` (the caller does not
+        use the logits after this) lets its backward write the gradient into the logits' buffer."""
+        return fused_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.vocab_size, IGNORE_INDEX,
+                                     grad_into_logits=not keep_logits).view(targets.shape)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits[..., : self.vocab_size]
@@ -221,7 +224,7 @@ class GPTModel(nn.Module):
         out = GPTOutput()
         if targets is not None:
             targets = targets.t()
-            per_token = self.vocab_loss(logits, targets)
+            per_token = self.vocab_loss(logits, targets, keep_logits=return_logits)
             out.num_tokens = (targets != IGNORE_INDEX).sum()
             out.loss_sum = per_token.sum()
             out.loss = out.loss_sum / out.num_tokens.clamp(min=1)

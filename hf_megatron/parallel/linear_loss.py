@@ -176,8 +176,8 @@ class FusedLinearLoss(nn.Module):
         compiled = (torch.compile(fn, **compile_kwargs) for fn in COMPILED)
         self.fns = tuple(c if guard is None else guard.guard(c, fn) for c, fn in zip(compiled, COMPILED))
 
-    def forward(self, logits, targets):
-        return self.inner(logits, targets)
+    def forward(self, logits, targets, keep_logits: bool = True):
+        return self.inner(logits, targets, keep_logits=keep_logits)
 
     def full_logits(self, logits):
         return self.inner.full_logits(logits)

@@ -56,7 +56,7 @@ class VocabParallelLoss(nn.Module):
         super().__init__()
         self.vocab_size, self.group = vocab_size, group
 
-    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor, keep_logits: bool = True) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, self.vocab_size, group=self.group)
 
     def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
