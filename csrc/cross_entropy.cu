@@ -25,7 +25,10 @@ namespace hf_megatron {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kUnroll = 4;  // packs loaded before any is reduced (more bytes in flight per thread)
+// packs a thread loads before it uses any (bytes in flight), few enough that three blocks fit an SM's
+// register file
+constexpr int kUnroll = 2;
+constexpr int64_t kMaxWidth = 2147483647 - 65536;  // int column indices, with room for a step past the end
 
 // Running (max, sum of exp(z - max)) of a set of logits.
 struct MaxSum {
@@ -72,29 +75,30 @@ __device__ __forceinline__ MaxSum warp_combine(MaxSum v) {
   return v;
 }
 
-// The kUnroll packs at base, base + step, ... that start below `limit` (the rest are left unset).
-template <typename T, int N>
-__device__ __forceinline__ void load_packs(Pack<T, N> (&packs)[kUnroll], const T* z, int64_t base, int64_t step,
-                                           int64_t limit) {
+// The U packs at base, base + step, ... that start below `limit` (the rest are left unset).
+// Columns are int: check_rows keeps the width below 2^31.
+template <typename T, int N, int U>
+__device__ __forceinline__ void load_packs(Pack<T, N> (&packs)[U], const T* z, int base, int step, int limit) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u)
+  for (int u = 0; u < U; ++u)
     if (base + u * step < limit) packs[u] = load_pack<T, N>(z + base + u * step);
 }
 
 template <typename T, int N>
-__global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets,
-                                             float* __restrict__ loss, float* __restrict__ lse, int64_t width,
-                                             int64_t vocab, int64_t ignore_index) {
+__global__ void __launch_bounds__(kThreads, 3)
+    cross_entropy_forward_kernel(const T* __restrict__ logits, const int64_t* __restrict__ targets,
+                                 float* __restrict__ loss, float* __restrict__ lse, int width, int vocab,
+                                 int64_t ignore_index) {
   __shared__ MaxSum partial[kThreads / 32];
   const int64_t row = blockIdx.x;
   const T* z = logits + row * width;
   MaxSum acc{-INFINITY, 0.f};
 
-  const int64_t full = vocab / N * N;  // columns in whole packs of classes
-  const int64_t step = static_cast<int64_t>(blockDim.x) * N;
-  for (int64_t base = threadIdx.x * static_cast<int64_t>(N); base < full; base += step * kUnroll) {
+  const int full = vocab / N * N;  // columns in whole packs of classes
+  const int step = blockDim.x * N;
+  for (int base = threadIdx.x * N; base < full; base += step * kUnroll) {
     Pack<T, N> packs[kUnroll];
-    load_packs<T, N>(packs, z, base, step, full);
+    load_packs<T, N, kUnroll>(packs, z, base, step, full);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (base + u * step >= full) break;
@@ -104,7 +108,7 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
       acc = fold<N>(acc, v, N);
     }
   }
-  for (int64_t col = full + threadIdx.x; col < vocab; col += blockDim.x) {  // the last partial pack
+  for (int col = full + threadIdx.x; col < vocab; col += blockDim.x) {  // the last partial pack
     const float v[1] = {static_cast<float>(z[col])};
     acc = fold<1>(acc, v, 1);
   }
@@ -133,33 +137,38 @@ __global__ void cross_entropy_forward_kernel(const T* __restrict__ logits, const
 // grad: fp32, element `row * grad_stride` is row's upstream gradient (stride 0: one value for all).
 // logits and out may be the same buffer.
 template <typename T, int N>
-__global__ void cross_entropy_backward_kernel(const float* __restrict__ grad, int64_t grad_stride, const T* logits,
-                                              const int64_t* __restrict__ targets, const float* __restrict__ lse,
-                                              T* out, int64_t width, int64_t vocab, int64_t ignore_index) {
+__global__ void __launch_bounds__(kThreads, 3)
+    cross_entropy_backward_kernel(const float* __restrict__ grad, int64_t grad_stride, const T* logits,
+                                  const int64_t* __restrict__ targets, const float* __restrict__ lse, T* out,
+                                  int width, int vocab, int64_t ignore_index) {
   const int64_t row = blockIdx.x;
-  const int64_t target = targets[row];
-  const bool ignored = target == ignore_index;
-  const float g = ignored ? 0.f : grad[row * grad_stride];
+  const int64_t target64 = targets[row];
+  T* dz = out + row * width;
+  const int step = blockDim.x * N;
+  if (target64 == ignore_index) {  // an ignored row: no gradient, nothing to read
+    Pack<T, N> zero;
+#pragma unroll
+    for (int i = 0; i < N; ++i) zero.v[i] = static_cast<T>(0.f);
+    for (int base = threadIdx.x * N; base < width; base += step) store_pack<T, N>(dz + base, zero);
+    return;
+  }
+  const int target = static_cast<int>(target64);  // in [0, vocab): the forward asserted it
+  const float g = grad[row * grad_stride];
   const float row_lse = lse[row];
   const T* z = logits + row * width;
-  T* dz = out + row * width;
-  const int64_t step = static_cast<int64_t>(blockDim.x) * N;
-  for (int64_t base = threadIdx.x * static_cast<int64_t>(N); base < width; base += step * kUnroll) {
+  for (int base = threadIdx.x * N; base < width; base += step * kUnroll) {
     Pack<T, N> packs[kUnroll];
-    load_packs<T, N>(packs, z, base, step, width);
+    load_packs<T, N, kUnroll>(packs, z, base, step, width);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t col0 = base + u * step;
+      const int col0 = base + u * step;
       if (col0 >= width) break;
       Pack<T, N> d;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        const int64_t col = col0 + i;
-        float value = 0.f;
-        if (!ignored && col < vocab) {
-          value = g * expf(static_cast<float>(packs[u].v[i]) - row_lse);
-          if (col == target) value -= g;
-        }
+        const int col = col0 + i;
+        float value = col < vocab ? g * expf(static_cast<float>(packs[u].v[i]) - row_lse) : 0.f;
+        if (col == target) value -= g;
         d.v[i] = static_cast<T>(value);
       }
       store_pack<T, N>(dz + col0, d);
@@ -175,7 +184,8 @@ void check_rows(const at::Tensor& logits, const at::Tensor& targets, int64_t voc
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0) && targets.is_contiguous() &&
                   targets.scalar_type() == at::kLong && targets.device() == logits.device(),
               "cross_entropy: targets must be a contiguous int64 [rows] tensor on the logits' device");
-  TORCH_CHECK(logits.size(0) <= 2147483647, "cross_entropy: at most 2^31 - 1 rows");
+  TORCH_CHECK(logits.size(0) <= 2147483647 && logits.size(1) <= kMaxWidth,
+              "cross_entropy: at most 2^31 - 1 rows and ", kMaxWidth, " columns");
 }
 
 template <typename T>
@@ -195,15 +205,16 @@ std::vector<at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at
   if (logits.size(0) == 0) return {loss, lse};
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned rows = static_cast<unsigned>(logits.size(0));
+  const int width = static_cast<int>(logits.size(1));
   HFM_DISPATCH_FLOATING(logits.scalar_type(), "cross_entropy_forward", [&] {
     const auto* z = logits.data_ptr<scalar_t>();
     const auto* t = targets.data_ptr<int64_t>();
     if (vectorizable<scalar_t>(logits, logits)) {
       cross_entropy_forward_kernel<scalar_t, kPack<scalar_t>><<<rows, kThreads, 0, stream>>>(
-          z, t, loss.data_ptr<float>(), lse.data_ptr<float>(), logits.size(1), vocab, ignore_index);
+          z, t, loss.data_ptr<float>(), lse.data_ptr<float>(), width, static_cast<int>(vocab), ignore_index);
     } else {
       cross_entropy_forward_kernel<scalar_t, 1><<<rows, kThreads, 0, stream>>>(
-          z, t, loss.data_ptr<float>(), lse.data_ptr<float>(), logits.size(1), vocab, ignore_index);
+          z, t, loss.data_ptr<float>(), lse.data_ptr<float>(), width, static_cast<int>(vocab), ignore_index);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -236,16 +247,17 @@ at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logi
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const unsigned rows = static_cast<unsigned>(logits.size(0));
   const int64_t grad_stride = grad.size(0) > 1 ? grad.stride(0) : 0;
+  const int width = static_cast<int>(logits.size(1));
   HFM_DISPATCH_FLOATING(logits.scalar_type(), "cross_entropy_backward", [&] {
     const auto* z = logits.data_ptr<scalar_t>();
     auto* d = dz.data_ptr<scalar_t>();
     const auto* t = targets.data_ptr<int64_t>();
     if (vectorizable<scalar_t>(logits, dz)) {
       cross_entropy_backward_kernel<scalar_t, kPack<scalar_t>><<<rows, kThreads, 0, stream>>>(
-          grad.data_ptr<float>(), grad_stride, z, t, lse.data_ptr<float>(), d, logits.size(1), vocab, ignore_index);
+          grad.data_ptr<float>(), grad_stride, z, t, lse.data_ptr<float>(), d, width, static_cast<int>(vocab), ignore_index);
     } else {
       cross_entropy_backward_kernel<scalar_t, 1><<<rows, kThreads, 0, stream>>>(
-          grad.data_ptr<float>(), grad_stride, z, t, lse.data_ptr<float>(), d, logits.size(1), vocab, ignore_index);
+          grad.data_ptr<float>(), grad_stride, z, t, lse.data_ptr<float>(), d, width, static_cast<int>(vocab), ignore_index);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -88,9 +88,13 @@ def test_gradient_written_into_the_logits_buffer():
 
 
 def test_in_place_gradient_refuses_logits_another_op_saved():
+    """sin saves its input; autograd runs the later-recorded loss first, whose gradient then overwrites
+    that input: sin's backward must raise, not differentiate the overwritten values.  (Had sin's
+    backward run first, it would have used the values before they changed.)"""
     logits, targets, _ = _inputs(4, 256, 256, torch.bfloat16, seed=5)
     work = logits.clone().requires_grad_() * 1
-    total = ce.cross_entropy(work, targets, 256, IGNORE, grad_into_logits=True).sum() + work.sin().sum()
+    saved_by_sin = work.sin()
+    total = ce.cross_entropy(work, targets, 256, IGNORE, grad_into_logits=True).sum() + saved_by_sin.sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         total.backward()
 
