@@ -14,7 +14,8 @@
 #                                             # own model against its bf16 curve, beside ours (~4 min)
 #   STAGE=ce      bash bench/issue14_gpu.sh   # session 10: the csrc cross entropy's tests, kernel times at the
 #                                             # 1.2B's shapes, and the 1.2B's speed with and without it (~6 min)
-#   STAGE=ce-gpt2 bash bench/issue14_gpu.sh   # GPT-2 medium likewise, then the 1.2B's profile (~6 min)
+#   STAGE=sync    bash bench/issue14_gpu.sh   # session 10: the sync-free embedding backward and cached optimizer
+#                                             # tables: tests, does PyTorch's embedding backward sync, speed, profile
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -77,11 +78,24 @@ ce)
     2>&1 | tee "$OUT/kernels.txt" | tail -9
   python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
     ours-compile+torch-ce ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -10
-  ;;
-ce-gpt2)
-  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/gpt2.json" --variants hf-compile \
-    ours-compile+torch-ce ours-compile ours-compile+deferred+decoder+torch-ce ours-compile+deferred+decoder 2>&1 | tail -8
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 10 \
-    --breakdown "other elementwise" "copy/cast" "compiled (triton)" 2>&1 | tee "$OUT/profile_llama.txt" | tail -50
+    --breakdown "other elementwise" "copy/cast" 2>&1 > "$OUT/profile_llama.txt"; grep -A16 "ms per step" "$OUT/profile_llama.txt"
+  ;;
+sync)
+  python3 -m pytest -q -p no:cacheprovider -rfE tests/test_embedding_gpu.py tests/test_adamw_kernel_gpu.py \
+    tests/test_kernels_gpu.py::test_model_with_kernels_matches_fallbacks \
+    tests/test_cross_entropy_gpu.py::test_model_loss_uses_the_kernel_and_tracks_the_fallback 2>&1 | tee "$OUT/tests.log" | tail -4
+  python3 - <<'PY' 2>&1 | grep -m1 -o "Warning.*synchroniz[a-z]*[^.]*" || echo "PyTorch's embedding backward: no sync reported"
+import torch
+emb = torch.nn.Embedding(128256, 2048, device="cuda", dtype=torch.bfloat16)
+out = emb(torch.randint(0, 128256, (16384,), device="cuda"))
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("warn")
+out.float().sum().backward()
+PY
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
+    ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -8
+  python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 \
+    2>&1 > "$OUT/profile_llama.txt"; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
   ;;
 esac

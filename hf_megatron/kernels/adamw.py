@@ -18,6 +18,8 @@ from .build import load_extension
 
 CHUNK = 65536  # csrc/adamw.cu kChunk
 _BLOCKS: dict[tuple, torch.Tensor] = {}  # (device, numels) -> int32 [blocks, 2]
+_TABLES: dict[tuple, torch.Tensor] = {}  # (device, rows) -> int64 [n, 7]: the last few tables, by content
+_TABLES_KEPT = 8
 
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # csrc/adamw.cu's moment storage types
@@ -50,8 +52,18 @@ def _blocks(device: torch.device, numels: tuple[int, ...]) -> torch.Tensor:
 
 
 def _table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    host = torch.tensor(rows, dtype=torch.int64)
-    return host.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else host.to(device)
+    """The rows as a device tensor.  A step's tables repeat from step to step (the same parameters at
+    the same addresses), so the last few are kept by content: a repeated table costs no pinned
+    allocation and no copy, host time that would otherwise delay the step's first optimizer kernel."""
+    key = (device, tuple(map(tuple, rows)))
+    table = _TABLES.pop(key, None)
+    if table is None:
+        host = torch.tensor(rows, dtype=torch.int64)
+        table = host.pin_memory().to(device, non_blocking=True) if torch.cuda.is_available() else host.to(device)
+        while len(_TABLES) >= _TABLES_KEPT:
+            del _TABLES[next(iter(_TABLES))]  # the least recently used
+    _TABLES[key] = table  # most recent last
+    return table
 
 
 def _ptr(t: torch.Tensor | None) -> int:
