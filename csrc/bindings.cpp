@@ -24,8 +24,6 @@ std::vector<at::Tensor> cross_entropy_forward(const at::Tensor& logits, const at
 at::Tensor cross_entropy_backward(const at::Tensor& grad, const at::Tensor& logits, const at::Tensor& targets,
                                   const at::Tensor& lse, int64_t vocab, int64_t ignore_index,
                                   const c10::optional<at::Tensor>& out);
-void embedding_backward(const at::Tensor& grad, const at::Tensor& sorted, const at::Tensor& order,
-                        const at::Tensor& ends, at::Tensor& out);
 }  // namespace hf_megatron
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -45,7 +43,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cross_entropy_backward", &hf_megatron::cross_entropy_backward,
         "cross entropy backward: grad fp32 [rows], logits, targets, lse, vocab, ignore_index, out (None or logits) "
         "-> d logits");
-  m.def("embedding_backward", &hf_megatron::embedding_backward,
-        "embedding weight grad without a host sync: grad [tokens, h], sorted ids, order, run ends, out (zeros)");
   m.def("rotary_backward", &hf_megatron::rotary_backward, "rotary backward: dy, cos, sin -> dx");
 }

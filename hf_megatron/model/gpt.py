@@ -31,7 +31,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels.cross_entropy import cross_entropy as fused_cross_entropy
-from ..kernels.embedding import lookup as embedding_lookup
 from .attention import build_attention_mask
 from .block import TransformerLayer
 from .norms import make_norm
@@ -68,11 +67,11 @@ class Embedding(nn.Module):
         self.multiplier = config.embedding_multiplier
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        out = embedding_lookup(self.word_embeddings, input_ids.t())  # kernels/embedding.py: no host sync
+        out = self.word_embeddings(input_ids.t())
         if self.multiplier != 1.0:  # as transformers' Gemma: the fp32 scalar cast to the table's dtype
             out = out * torch.tensor(self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype)
         if self.position_embeddings is not None:
-            out = out + embedding_lookup(self.position_embeddings, position_ids.t())
+            out = out + self.position_embeddings(position_ids.t())
         return self.embedding_dropout(out)
 
 
