@@ -1,4 +1,5 @@
-"""Fused ops with exact PyTorch fallbacks: `rms_norm`, `swiglu`, `apply_rotary`.
+"""Fused ops with exact PyTorch fallbacks: `rms_norm`, `swiglu`, `apply_rotary` (and the vocab
+loss's cross entropy, kernels/cross_entropy.py).
 
 Each op runs the CUDA kernel from csrc/ when its input is a CUDA tensor that the kernel
 handles (float32/float16/bfloat16, matching dtypes) and the extension builds; otherwise, and

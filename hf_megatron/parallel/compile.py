@@ -8,7 +8,8 @@ Why per layer: all layers run the same code, so dynamo compiles one graph and ev
 it (guards on shapes, not on the module), so compile time does not grow with depth, and the
 embedding / pipeline plumbing stays eager.  The vocab loss is a region of its own: compiled, the
 fp32 upcast of the [s, b, V] logits and the cross entropy fuse instead of materialising an fp32
-copy of the logits.  Forwards are replaced on the instance (as recompute does), so parameter
+copy of the logits (on a CUDA GPU with the csrc kernels, the region calls the csrc cross entropy
+instead, kept out of the graph: kernels/cross_entropy.py, faster than inductor's fusion).  Forwards are replaced on the instance (as recompute does), so parameter
 and state-dict names do not change.  Inside a compiled region the fused csrc kernels fall back
 to their PyTorch expressions (`kernels._compiling`), which inductor fuses itself.
 
