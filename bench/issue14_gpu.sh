@@ -17,6 +17,7 @@
 #   STAGE=sync    bash bench/issue14_gpu.sh   # session 10: cached optimizer tables (session 10 also ran a sync-free
 #                                             # embedding backward here, since removed: bench/RESULTS.md); does
 #                                             # PyTorch's embedding backward report a sync; speed; profile
+#   STAGE=syncs   bash bench/issue14_gpu.sh   # next: which CUDA calls make the host wait in the best steps (~4 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -98,5 +99,11 @@ PY
     ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -8
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 \
     2>&1 > "$OUT/profile_llama.txt"; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
+  ;;
+syncs)
+  for model in llama-1b gpt2-medium; do
+    python3 bench/profile_step.py --model $model --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
+      2>&1 > "$OUT/syncs_$model.txt"; grep -A12 "host-blocking" "$OUT/syncs_$model.txt"
+  done
   ;;
 esac

@@ -6,7 +6,9 @@ variants, side by side, kernels grouped by kind.
 
 Prints per variant: wall ms/step, summed GPU kernel ms/step (the gap is host-side idle time), and
 the kernel time per group (matmul, attention, elementwise/fused, copies, reductions, optimizer,
-memset, communication) and the top kernels by total time.
+memset, communication) and the top kernels by total time.  `--syncs` lists the CUDA runtime calls that
+make the host wait (stream / device / event synchronise, blocking copies, frees, pinned allocations)
+per step, with the ops and our Python frames around them: where a host falls behind its GPU.
 """
 from __future__ import annotations
 
@@ -66,6 +68,30 @@ def idle_gaps(prof, count: int) -> list[tuple[float, str, str, str]]:
     return rows
 
 
+BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaFree",
+            "cudaHostAlloc", "cudaFreeHost", "cudaMalloc", "cudaStreamWaitEvent")
+
+
+def blocking_calls(prof, steps: int) -> list[tuple[float, float, str, str, str]]:
+    """(calls per step, ms per step, runtime call, enclosing ops innermost first, our frames) for
+    the CUDA runtime calls in BLOCKING, most time first."""
+    totals = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.name not in BLOCKING:
+            continue
+        chain, frames, parent = [], [], event.cpu_parent
+        while parent is not None:
+            if len(chain) < 4:
+                chain.append(parent.name)
+            if not frames:
+                frames = [f for f in (parent.stack or []) if "hf_megatron" in f or "bench" in f][:3]
+            parent = parent.cpu_parent
+        key = (event.name, " < ".join(chain), " | ".join(frames))
+        totals[key][0] += 1
+        totals[key][1] += (event.time_range.end - event.time_range.start) / 1e3
+    return sorted(((n / steps, ms / steps, *key) for key, (n, ms) in totals.items()), key=lambda r: -r[1])
+
+
 def profile_variant(name: str, variant: str, args) -> dict:
     spec = (throughput.TINY if args.tiny else throughput.MODELS)[name]
     ids = torch.randint(0, throughput.hf_config(spec).vocab_size, (spec.batch, spec.seq), device=args.device,
@@ -78,7 +104,7 @@ def profile_variant(name: str, variant: str, args) -> dict:
         for _ in range(args.warmup):
             step()
         sync()
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=activities, with_stack=args.syncs) as prof:
             start = time.perf_counter()
             for _ in range(args.steps):
                 step()
@@ -97,7 +123,9 @@ def profile_variant(name: str, variant: str, args) -> dict:
         per_group[group_of(event.key)] += device_us / 1e3 / args.steps
         per_kernel[event.key] += device_us / 1e3 / args.steps
     gaps = idle_gaps(prof, args.gaps) if cuda and args.gaps else []
+    syncs = blocking_calls(prof, args.steps) if args.syncs else []
     return {"model": name, "variant": variant, "wall_ms": wall * 1e3, "kernel_ms": sum(per_group.values()), "gaps": gaps,
+            "syncs": syncs,
             "groups": dict(per_group), "top": sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top],
             "by_group": {g: sorted(((k, ms) for k, ms in per_kernel.items() if group_of(k) == g),
                                    key=lambda kv: -kv[1])[: args.top] for g in args.breakdown}}
@@ -116,6 +144,9 @@ def main() -> None:
     parser.add_argument("--gaps", type=int, default=0, metavar="N",
                         help="also list the N longest GPU idle gaps of the last profiled step, with the kernels "
                              "around them and the CPU ops that ran during them")
+    parser.add_argument("--syncs", action="store_true",
+                        help="also list the CUDA runtime calls that block the host, per step, with their callers "
+                             "(records Python stacks: the wall time then includes that overhead)")
     parser.add_argument("--breakdown", nargs="*", default=[], metavar="GROUP",
                         help="also list the top kernels inside these groups (e.g. copy/cast reduction)")
     args = parser.parse_args()
@@ -139,6 +170,12 @@ def main() -> None:
             print(f"\n{r['variant']} longest GPU idle gaps (ms | kernel before | kernel after | CPU ops meanwhile):")
             for ms, before, after, ops in r["gaps"]:
                 print(f"  {ms:6.2f} | {before} | {after} | {ops}")
+        if args.syncs:
+            print(f"\n{r['variant']} host-blocking CUDA calls (per step: calls | ms | call | ops around it | our frames):")
+            for calls, ms, call, ops, frames in r["syncs"]:
+                print(f"  {calls:5.1f} | {ms:6.2f} | {call} | {ops[:120]} | {frames[:200]}")
+            if not r["syncs"]:
+                print("  none recorded")
         for group, kernels in r["by_group"].items():
             print(f"\n{r['variant']} top kernels in {group} (ms/step):")
             for key, ms in kernels:
