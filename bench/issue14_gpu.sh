@@ -101,9 +101,9 @@ PY
     2>&1 > "$OUT/profile_llama.txt"; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
   ;;
 syncs)
-  for model in llama-1b gpt2-medium; do
-    python3 bench/profile_step.py --model $model --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
-      2>&1 > "$OUT/syncs_$model.txt"; grep -A12 "host-blocking" "$OUT/syncs_$model.txt"
-  done
+  python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
+    2>&1 > "$OUT/syncs_llama.txt"; grep -A12 "host-blocking" "$OUT/syncs_llama.txt"
+  python3 bench/profile_step.py --model gpt2-medium --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
+    2>&1 > "$OUT/syncs_gpt2.txt"; grep -A12 "host-blocking" "$OUT/syncs_gpt2.txt"
   ;;
 esac
