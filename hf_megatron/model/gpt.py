@@ -69,7 +69,8 @@ class Embedding(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         out = self.word_embeddings(input_ids.t())
         if self.multiplier != 1.0:  # as transformers' Gemma: the fp32 scalar cast to the table's dtype
-            out = out * torch.tensor(self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype)
+            # torch.full, not torch.tensor: a fill on the device, no blocking host-to-GPU copy per step
+            out = out * torch.full((), self.multiplier, dtype=torch.float32, device=out.device).to(out.dtype)
         if self.position_embeddings is not None:
             out = out + self.position_embeddings(position_ids.t())
         return self.embedding_dropout(out)

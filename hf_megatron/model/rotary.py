@@ -69,12 +69,21 @@ class RotaryEmbedding(nn.Module):
         else:
             self.inv_freq = rope_inv_freq(dim, base, scaling)
 
+    def _on(self, device: torch.device, name: str) -> torch.Tensor:
+        """The CPU table `name` on `device`, copied once per device: a host tensor copied to the GPU in
+        every forward is a blocking copy each step (the host waits for everything queued before it)."""
+        copies = self.__dict__.setdefault("_device_copies", {})
+        key = (name, device)
+        if key not in copies:
+            copies[key] = getattr(self, name).to(device)
+        return copies[key]
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [b, s, d] for position_ids [b, s]."""
-        inv_freq = self.inv_freq.to(position_ids.device)
+        inv_freq = self._on(position_ids.device, "inv_freq")
         if self.long_inv_freq is not None:  # one set for the whole batch, by its longest sequence
-            inv_freq = torch.where(position_ids.max() + 1 > self.long_after, self.long_inv_freq.to(inv_freq.device),
-                                   inv_freq)
+            inv_freq = torch.where(position_ids.max() + 1 > self.long_after,
+                                   self._on(inv_freq.device, "long_inv_freq"), inv_freq)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -199,15 +199,19 @@ def _extra_kwargs(mb: dict) -> dict:
 
 
 def _plain_loop(model, micro_batches, loss_scale, forward_only):
-    loss_sum = torch.zeros((), dtype=torch.float32)
-    num_tokens = torch.zeros((), dtype=torch.long)
+    # the sums start from the first micro batch's values, on their device: a host zero copied to the
+    # GPU would be a blocking copy, a wait for the whole backward just queued
+    loss_sum = num_tokens = None
     for mb in micro_batches:
         with torch.set_grad_enabled(not forward_only and torch.is_grad_enabled()):
             out = model(mb["input_ids"], targets=mb["targets"], return_logits=False, **_extra_kwargs(mb))
         if not forward_only:
             (out.loss_sum * loss_scale).backward()
-        loss_sum = loss_sum.to(out.loss_sum.device) + out.loss_sum.detach().float()
-        num_tokens = num_tokens.to(out.num_tokens.device) + out.num_tokens
+        part_loss, part_tokens = out.loss_sum.detach().float(), out.num_tokens.long()
+        loss_sum = part_loss if loss_sum is None else loss_sum + part_loss
+        num_tokens = part_tokens if num_tokens is None else num_tokens + part_tokens
+    if loss_sum is None:  # no micro batches
+        loss_sum, num_tokens = torch.zeros((), dtype=torch.float32), torch.zeros((), dtype=torch.long)
     return {"loss_sum": loss_sum, "num_tokens": num_tokens}
 
 
