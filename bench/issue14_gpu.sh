@@ -17,7 +17,8 @@
 #   STAGE=sync    bash bench/issue14_gpu.sh   # session 10: cached optimizer tables (session 10 also ran a sync-free
 #                                             # embedding backward here, since removed: bench/RESULTS.md); does
 #                                             # PyTorch's embedding backward report a sync; speed; profile
-#   STAGE=syncs   bash bench/issue14_gpu.sh   # next: which CUDA calls make the host wait in the best steps (~4 min)
+#   STAGE=syncs   bash bench/issue14_gpu.sh   # next: session 10's two blocking copies removed -- the no-sync test,
+#                                             # both models' speed, then what still makes the host wait (~8 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -101,6 +102,9 @@ PY
     2>&1 > "$OUT/profile_llama.txt"; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
   ;;
 syncs)
+  python3 -m pytest -q -p no:cacheprovider -rfE tests/test_host_syncs_gpu.py tests/test_deferred_steps.py 2>&1 | tail -4
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
+    ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -8
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
     2>&1 > "$OUT/syncs_llama.txt"; grep -A12 "host-blocking" "$OUT/syncs_llama.txt"
   python3 bench/profile_step.py --model gpt2-medium --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
