@@ -88,7 +88,7 @@ sync)
   python3 -m pytest -q -p no:cacheprovider -rfE tests/test_adamw_kernel_gpu.py \
     tests/test_kernels_gpu.py::test_model_with_kernels_matches_fallbacks \
     tests/test_cross_entropy_gpu.py::test_model_loss_uses_the_kernel_and_tracks_the_fallback 2>&1 | tee "$OUT/tests.log" | tail -4
-  python3 - <<'PY' 2>&1 | grep -m1 -o "Warning.*synchroniz[a-z]*[^.]*" || echo "PyTorch's embedding backward: no sync reported"
+  python3 - <<'PY' 2>&1 | grep -i "synchroniz" | grep -v "prototype feature" | head -3 || true
 import torch
 emb = torch.nn.Embedding(128256, 2048, device="cuda", dtype=torch.bfloat16)
 out = emb(torch.randint(0, 128256, (16384,), device="cuda"))
