@@ -85,7 +85,7 @@ def make_cases(tokens, hidden, ffn, heads, head_dim, dtype, vocab=128256):
          2 * heads * tokens * head_dim * e + table),      # read dy, cos, sin; write dx
         ("cross_ent", logits_inputs, (True,), lambda z: cross_entropy.cross_entropy(z, targets, vocab, -100),
          lambda z: reference.cross_entropy_reference(z, targets, vocab, -100),
-         tokens * vocab * e + 12 * tokens,                # read logits, targets; write loss (+ lse)
+         tokens * vocab * e + 16 * tokens,                # read logits, targets; write loss, lse
          2 * tokens * vocab * e + 16 * tokens),           # read logits, dloss, lse, targets; write d logits
     ]
 

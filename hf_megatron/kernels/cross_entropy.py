@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import _kernel_ready
 from .build import load_extension
 from .reference import cross_entropy_reference
 
@@ -62,7 +63,6 @@ def _fused(logits, targets, vocab_size, ignore_index, grad_into_logits):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, ignore_index: int,
                   grad_into_logits: bool = False) -> torch.Tensor:
     """fp32 per-row cross entropy of logits [rows, V_padded] over their first `vocab_size` columns."""
-    from . import _kernel_ready
     if kernel_fits(logits, targets) and _kernel_ready(logits, compilable=True):
         return _fused(logits, targets, vocab_size, ignore_index, grad_into_logits)
     return cross_entropy_reference(logits, targets, vocab_size, ignore_index)

@@ -62,6 +62,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dim: int, base: float, scaling: dict | None = None):
         super().__init__()
         self.long_inv_freq, self.long_after, self.attention_factor = None, None, 1.0
+        self._device_copies: dict[tuple[str, torch.device], torch.Tensor] = {}  # _on's copies
         if scaling and scaling.get("rope_type") == "longrope":
             self.inv_freq, self.long_inv_freq = longrope_inv_freqs(dim, base, scaling)
             self.long_after = scaling["original_max_position_embeddings"]
@@ -72,11 +73,10 @@ class RotaryEmbedding(nn.Module):
     def _on(self, device: torch.device, name: str) -> torch.Tensor:
         """The CPU table `name` on `device`, copied once per device: a host tensor copied to the GPU in
         every forward is a blocking copy each step (the host waits for everything queued before it)."""
-        copies = self.__dict__.setdefault("_device_copies", {})
         key = (name, device)
-        if key not in copies:
-            copies[key] = getattr(self, name).to(device)
-        return copies[key]
+        if key not in self._device_copies:
+            self._device_copies[key] = getattr(self, name).to(device)
+        return self._device_copies[key]
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [b, s, d] for position_ids [b, s]."""

@@ -9,9 +9,11 @@ it (guards on shapes, not on the module), so compile time does not grow with dep
 embedding / pipeline plumbing stays eager.  The vocab loss is a region of its own: compiled, the
 fp32 upcast of the [s, b, V] logits and the cross entropy fuse instead of materialising an fp32
 copy of the logits (on a CUDA GPU with the csrc kernels, the region calls the csrc cross entropy
-instead, kept out of the graph: kernels/cross_entropy.py, faster than inductor's fusion).  Forwards are replaced on the instance (as recompute does), so parameter
-and state-dict names do not change.  Inside a compiled region the fused csrc kernels fall back
-to their PyTorch expressions (`kernels._compiling`), which inductor fuses itself.
+instead, kept out of the graph: kernels/cross_entropy.py, faster than inductor's fusion).  Forwards
+are replaced on the instance (as recompute does), so parameter and state-dict names do not change.
+Inside a compiled region the RMSNorm and rotary csrc kernels fall back to their PyTorch expressions
+(`kernels._compiling`), which inductor fuses itself; SwiGLU stays the csrc kernel (a torch.library
+custom op, kernels/ops.py).
 
 Scope "decoder" (`--torch-compile-scope decoder`): the decoder stack of this model chunk -- all its
 layers and the final norm -- is one region instead (dynamo unrolls the layer loop).  Longer compile
