@@ -19,6 +19,9 @@
 #                                             # PyTorch's embedding backward report a sync; speed; profile
 #   STAGE=syncs   bash bench/issue14_gpu.sh   # next: session 10's two blocking copies removed -- the no-sync test,
 #                                             # both models' speed, then what still makes the host wait (~8 min)
+#   STAGE=fp8-combo bash bench/issue14_gpu.sh # next: on the 1.2B, float8 alone ran 80k tokens/s and float8 +
+#                                             # deferred + bf16 moments 71.6k twice (the 3B gained +2.4%); which
+#                                             # of the two options costs float8 10%, and where (~7 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -109,5 +112,11 @@ syncs)
     2>&1 > "$OUT/syncs_llama.txt"; grep -A12 "host-blocking" "$OUT/syncs_llama.txt"
   python3 bench/profile_step.py --model gpt2-medium --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
     2>&1 > "$OUT/syncs_gpt2.txt"; grep -A12 "host-blocking" "$OUT/syncs_gpt2.txt"
+  ;;
+fp8-combo)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_combo.json" --variants ours-float8 \
+    ours-float8+deferred ours-float8+bf16-moments ours-float8+deferred+bf16-moments 2>&1 | tail -6
+  python3 bench/profile_step.py --model llama-1b --variants ours-float8 ours-float8+deferred+bf16-moments --gaps 6 \
+    --breakdown optimizer "other elementwise" 2>&1 > "$OUT/profile_fp8.txt"; grep -A14 "ms per step" "$OUT/profile_fp8.txt"
   ;;
 esac

@@ -23,7 +23,7 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     fp8-recipe rowwise_with_gw_hp  --fp8-format e4m3 --fp8-recipe rowwise_with_gw_hp (rowwise, the
                                  weight-gradient GEMM in bf16)
     fp8 first-last-layers-bf16   fp8-format hybrid, --first-last-layers-bf16 (first and last layer in bf16)
-    all                          the three together (bench/throughput.py's ours-float8)
+    all                          the three together (bench/throughput.py's ours-float8+fused-ce)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
                                  (Megatron-LM's name); otherwise the row says it is absent
     torch-adamw                  torch's fused AdamW instead of csrc/adamw.cu (the default's AdamW on
