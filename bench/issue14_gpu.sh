@@ -22,6 +22,8 @@
 #   STAGE=fp8-combo bash bench/issue14_gpu.sh # next: on the 1.2B, float8 alone ran 80k tokens/s and float8 +
 #                                             # deferred + bf16 moments 71.6k twice (the 3B gained +2.4%); which
 #                                             # of the two options costs float8 10%, and where (~7 min)
+#   STAGE=deferred bash bench/issue14_gpu.sh  # --defer-step-stats alone on the three models, now that no copy
+#                                             # blocks the host: if it pays everywhere, make it the CLI default (~7 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -118,5 +120,11 @@ fp8-combo)
     ours-float8+deferred ours-float8+bf16-moments ours-float8+deferred+bf16-moments 2>&1 | tail -6
   python3 bench/profile_step.py --model llama-1b --variants ours-float8 ours-float8+deferred+bf16-moments --gaps 6 \
     --breakdown optimizer "other elementwise" 2>&1 > "$OUT/profile_fp8.txt"; grep -A14 "ms per step" "$OUT/profile_fp8.txt"
+  ;;
+deferred)
+  for model in gpt2-medium gpt2-xl llama-1b; do
+    python3 bench/throughput.py --lr 3e-4 --models $model --out "$OUT/deferred_$model.json" --variants ours-compile \
+      ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -4  # each twice: the spread
+  done
   ;;
 esac
