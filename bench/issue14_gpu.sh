@@ -122,9 +122,12 @@ fp8-combo)
     --breakdown optimizer "other elementwise" 2>&1 > "$OUT/profile_fp8.txt"; grep -A14 "ms per step" "$OUT/profile_fp8.txt"
   ;;
 deferred)
-  for model in gpt2-medium gpt2-xl llama-1b; do
-    python3 bench/throughput.py --lr 3e-4 --models $model --out "$OUT/deferred_$model.json" --variants ours-compile \
-      ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -4  # each twice: the spread
-  done
+  # each variant twice (the spread); one call per model, so the ratios compare within a model
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/deferred_gpt2.json" --variants ours-compile \
+    ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -4
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-xl --out "$OUT/deferred_xl.json" --variants ours-compile \
+    ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -4
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/deferred_llama.json" --variants ours-compile \
+    ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -4
   ;;
 esac
