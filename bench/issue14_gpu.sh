@@ -22,6 +22,10 @@
 #   STAGE=fp8-combo bash bench/issue14_gpu.sh # next: on the 1.2B, float8 alone ran 80k tokens/s and float8 +
 #                                             # deferred + bf16 moments 71.6k twice (the 3B gained +2.4%); which
 #                                             # of the two options costs float8 10%, and where (~7 min)
+#   STAGE=table-gpt2  bash bench/issue14_gpu.sh  # the issue's whole table, two calls (one would outrun the
+#   STAGE=table-llama bash bench/issue14_gpu.sh  # 10-minute limit: transformers' compile alone takes 40-110 s per
+#                                             # model): every transformers anchor (eager, compile, Liger) beside
+#                                             # our default and float8, ~8 min each; Liger needs its wheel carried
 #   STAGE=deferred bash bench/issue14_gpu.sh  # --defer-step-stats alone on the three models, now that no copy
 #                                             # blocks the host: if it pays everywhere, make it the CLI default (~7 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
@@ -120,6 +124,14 @@ fp8-combo)
     ours-float8+deferred ours-float8+bf16-moments ours-float8+deferred+bf16-moments 2>&1 | tail -6
   python3 bench/profile_step.py --model llama-1b --variants ours-float8 ours-float8+deferred+bf16-moments --gaps 6 \
     --breakdown optimizer "other elementwise" 2>&1 > "$OUT/profile_fp8.txt"; grep -A14 "ms per step" "$OUT/profile_fp8.txt"
+  ;;
+table-gpt2)
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium gpt2-xl --out "$OUT/table_gpt2.json" --variants hf-eager \
+    hf-compile hf-liger ours-compile ours-float8 2>&1 | tail -12
+  ;;
+table-llama)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b llama-3b --out "$OUT/table_llama.json" --variants hf-eager \
+    hf-compile hf-liger ours-compile ours-float8 2>&1 | tail -12
   ;;
 deferred)
   # each variant twice (the spread); one call per model, so the ratios compare within a model
