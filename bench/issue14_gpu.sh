@@ -122,8 +122,10 @@ syncs)
 fp8-combo)
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_combo.json" --variants ours-float8 \
     ours-float8+deferred ours-float8+bf16-moments ours-float8+deferred+bf16-moments 2>&1 | tail -6
-  python3 bench/profile_step.py --model llama-1b --variants ours-float8 ours-float8+deferred+bf16-moments --gaps 6 \
-    --top 30 --breakdown optimizer "other elementwise" "compiled (triton)" "copy/cast" 2>&1 > "$OUT/profile_fp8.txt"
+  # dynamo's recompiles logged: a region that recompiles past its cache limit runs eager from then on
+  TORCH_LOGS=recompiles python3 bench/profile_step.py --model llama-1b --variants ours-float8 \
+    ours-float8+deferred+bf16-moments --gaps 6 --top 30 --breakdown optimizer "other elementwise" "compiled (triton)" "copy/cast" > "$OUT/profile_fp8.txt" 2>&1
+  grep -c "Recompiling function" "$OUT/profile_fp8.txt"; grep -m3 -A3 "Recompiling function" "$OUT/profile_fp8.txt"
   grep -A14 "ms per step" "$OUT/profile_fp8.txt"  # the float8 casts are triton kernels: where 1.5x must come from
   ;;
 table-gpt2)
