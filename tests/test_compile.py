@@ -306,3 +306,18 @@ def test_only_the_default_compile_falls_back(monkeypatch):
                     forward_backward(chunk, ids)
         finally:
             state.reset()
+
+
+def test_compile_loads_the_kernels_before_any_region_is_traced(monkeypatch):
+    """On a CUDA machine apply_compile loads csrc/ eagerly: a first load under dynamo's tracing (file
+    checks, hashing, the build) would graph-break the layer region that calls the SwiGLU op."""
+    from hf_megatron import kernels
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "load_extension", lambda: calls.append("load"))
+    model = build_model(tiny_hf_model("llama"))
+    apply_compile(model, backend="aot_eager")
+    assert calls == ["load"]
+    monkeypatch.setenv("HF_MEGATRON_KERNELS", "0")  # switched off: nothing to load
+    apply_compile(build_model(tiny_hf_model("llama")), backend="aot_eager")
+    assert calls == ["load"]

@@ -64,3 +64,28 @@ def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
     print(f"budget {budget}: {saved} of the default partition's {saved_default} bytes saved")
     assert saved < saved_default
     assert torch._functorch.config.activation_memory_budget == 1.0
+
+
+def test_no_graph_break_when_a_region_is_traced_before_the_kernels_load():
+    """Session 12 found dynamo tracing the first load of csrc/ (its file checks and hashing) inside the
+    first compiled layer: a graph break and a page of warnings.  Now apply_compile loads it first, and
+    a region traced before any load falls back to the PyTorch SwiGLU instead of tracing the build."""
+    from torch._dynamo.utils import counters
+
+    from hf_megatron import kernels
+    from hf_megatron.kernels import build
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    torch._dynamo.reset()
+    build.reset_for_tests()
+    counters.clear()
+    x = torch.randn(4, 2 * 64, device="cuda", dtype=torch.bfloat16)
+    explanation = torch._dynamo.explain(kernels.swiglu)(x)
+    assert explanation.graph_break_count == 0 and not build.loaded()
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model(tiny_hf_model("llama"), dtype=torch.bfloat16, device="cuda", compile=True)
+    _loss_and_grads(model, ids)
+    assert build.loaded() and kernels.kernels_available()
+    # the loss region's own break (the csrc cross entropy is torch.compiler.disable'd) is by design
+    untraceable = [reason for reason in counters["graph_break"] if "does not know how to trace" in reason]
+    assert not untraceable, untraceable

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .build import enabled, load_extension
+from .build import enabled, load_extension, loaded
 from .reference import apply_rotary_reference, rms_norm_reference, rotate_half, swiglu_reference
 
 __all__ = ["rms_norm", "swiglu", "apply_rotary", "rotate_half", "kernels_available", "enabled",
@@ -28,9 +28,14 @@ def _compiling() -> bool:
 
 
 def _kernel_ready(x: torch.Tensor, compilable: bool = False) -> bool:
-    """The csrc kernel can take x; `compilable` ops (kernels/ops.py) also inside torch.compile."""
-    return (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0 and enabled()
-            and (compilable or not _compiling()) and load_extension() is not None)
+    """The csrc kernel can take x; `compilable` ops (kernels/ops.py) also inside torch.compile, once
+    the extension is loaded: a first load traced by dynamo (the build's file checks and hashing)
+    would graph-break the region, so there it falls back (`apply_compile` loads it before tracing)."""
+    if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0 and enabled()):
+        return False
+    if _compiling():
+        return compilable and loaded() and load_extension() is not None
+    return load_extension() is not None
 
 
 def kernels_available() -> bool:

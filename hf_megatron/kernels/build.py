@@ -108,6 +108,12 @@ def _build():
     )
 
 
+def loaded() -> bool:
+    """Whether this process has already tried `load_extension` (the module is loaded, or the build
+    failed): the next call then only returns what it found, with no file access."""
+    return _extension is not None or _failed
+
+
 def load_extension():
     """The compiled module, or None (disabled, no CUDA, or the build failed: warned once)."""
     global _extension, _failed

@@ -131,6 +131,15 @@ class EagerFallback:
         return run
 
 
+def load_kernels_before_tracing() -> None:
+    """Load (build on first use) the csrc extension now, on a machine with CUDA: the SwiGLU op inside
+    each region asks for it, and a first load under dynamo's tracing would graph-break the region
+    (or, as kernels._kernel_ready does, fall back to the PyTorch expression for that graph)."""
+    from .. import kernels
+    if torch.cuda.is_available() and kernels.enabled():
+        kernels.load_extension()
+
+
 def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor", scope: str = "layer",
                   memory_budget: float | None = None, fallback: bool = False, **compile_kwargs) -> nn.Module:
     """Compile each transformer layer (`scope` "decoder": the whole decoder stack) and the vocab
@@ -150,6 +159,7 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
         raise ValueError("apply_compile: scope 'decoder' with activation recompute applied; compile per layer "
                          "to recompute (the checkpoints would be traced inside the region)")
     setattr(model, _SCOPE, scope)
+    load_kernels_before_tracing()
     guard = EagerFallback() if fallback else None
     for name, module in compiled_regions(model, scope):
         if getattr(module, _COMPILED, False):
