@@ -28,6 +28,10 @@
 #                                             # our default and float8, ~8 min each; Liger needs its wheel carried
 #   STAGE=deferred bash bench/issue14_gpu.sh  # --defer-step-stats alone on the three models, now that no copy
 #                                             # blocks the host: if it pays everywhere, make it the CLI default (~7 min)
+#   STAGE=load-fix bash bench/issue14_gpu.sh  # next (session 12): csrc now loads before any region is traced -- its
+#                                             # GPU test, then float8 and bf16 each with and without --defer-step-stats
+#                                             # (float8 + deferral ran 12% slow in every fresh process: does it still?)
+#                                             # (~6 min; carry the torchao wheel)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -140,5 +144,11 @@ deferred)
   # each variant twice (the spread); compare within a model; one call, so the bf16 peak is measured once
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium gpt2-xl llama-1b --out "$OUT/deferred.json" --variants \
     ours-compile ours-compile-deferred ours-compile ours-compile-deferred 2>&1 | tail -14
+  ;;
+load-fix)
+  python3 -m pytest -q -x tests/test_compile_gpu.py::test_no_graph_break_when_a_region_is_traced_before_the_kernels_load \
+    tests/test_compile_gpu.py > "$OUT/load_fix_tests.txt" 2>&1; tail -3 "$OUT/load_fix_tests.txt"
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/load_fix.json" --variants ours-float8 \
+    ours-float8+deferred ours-compile ours-compile-deferred > "$OUT/load_fix.txt" 2>&1; tail -6 "$OUT/load_fix.txt"
   ;;
 esac

@@ -13,12 +13,13 @@ import throughput  # noqa: E402
 
 
 def _commands():
-    """Each python3 command of the script, continuation lines joined, as argv lists (up to a pipe)."""
+    """Each python3 command of the script, continuation lines joined, as argv lists (up to a pipe or a
+    redirect)."""
     text = (ROOT / "bench" / "issue14_gpu.sh").read_text().replace("\\\n", " ")
     for line in text.splitlines():
         line = line.split("#", 1)[0] if line.lstrip().startswith("#") else line
         if "python3 " in line:
-            command = line[line.index("python3 "):].split("|", 1)[0].split("2>&1", 1)[0]
+            command = re.split(r"\||2>&1|\s>\s", line[line.index("python3 "):], maxsplit=1)[0]  # up to a pipe or redirect
             yield shlex.split(command)
 
 
