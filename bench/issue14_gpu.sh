@@ -95,7 +95,7 @@ ce)
   python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
     ours-compile+torch-ce ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -10
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 10 \
-    --breakdown "other elementwise" "copy/cast" 2>&1 > "$OUT/profile_llama.txt"; grep -A16 "ms per step" "$OUT/profile_llama.txt"
+    --breakdown "other elementwise" "copy/cast" > "$OUT/profile_llama.txt" 2>&1; grep -A16 "ms per step" "$OUT/profile_llama.txt"
   ;;
 sync)
   python3 -m pytest -q -p no:cacheprovider -rfE tests/test_adamw_kernel_gpu.py \
@@ -112,16 +112,16 @@ PY
   python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
     ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -8
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 \
-    2>&1 > "$OUT/profile_llama.txt"; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
+    > "$OUT/profile_llama.txt" 2>&1; grep -A14 "ms per step" "$OUT/profile_llama.txt"; grep -A7 "idle gaps" "$OUT/profile_llama.txt"
   ;;
 syncs)
   python3 -m pytest -q -p no:cacheprovider -rfE tests/test_host_syncs_gpu.py tests/test_deferred_steps.py 2>&1 | tail -4
   python3 bench/throughput.py --lr 3e-4 --models llama-1b gpt2-medium --out "$OUT/speed.json" --variants hf-compile \
     ours-compile ours-compile+deferred+bf16-moments 2>&1 | tail -8
   python3 bench/profile_step.py --model llama-1b --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
-    2>&1 > "$OUT/syncs_llama.txt"; grep -A12 "host-blocking" "$OUT/syncs_llama.txt"
+    > "$OUT/syncs_llama.txt" 2>&1; grep -A12 "host-blocking" "$OUT/syncs_llama.txt"
   python3 bench/profile_step.py --model gpt2-medium --variants ours-compile+deferred+bf16-moments --gaps 6 --syncs \
-    2>&1 > "$OUT/syncs_gpt2.txt"; grep -A12 "host-blocking" "$OUT/syncs_gpt2.txt"
+    > "$OUT/syncs_gpt2.txt" 2>&1; grep -A12 "host-blocking" "$OUT/syncs_gpt2.txt"
   ;;
 fp8-combo)
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_combo.json" --variants ours-float8 \
