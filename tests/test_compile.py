@@ -308,16 +308,33 @@ def test_only_the_default_compile_falls_back(monkeypatch):
             state.reset()
 
 
-def test_compile_loads_the_kernels_before_any_region_is_traced(monkeypatch):
-    """On a CUDA machine apply_compile loads csrc/ eagerly: a first load under dynamo's tracing (file
-    checks, hashing, the build) would graph-break the layer region that calls the SwiGLU op."""
+def test_a_region_loads_the_kernels_before_its_first_cuda_call(monkeypatch):
+    """A compiled region loads csrc/ eagerly before its first call with CUDA tensors: a first load under
+    dynamo's tracing (file checks, hashing, the build) would graph-break the layer region that calls the
+    SwiGLU op.  CPU calls (and HF_MEGATRON_KERNELS=0, or an extension already loaded) load nothing."""
     from hf_megatron import kernels
+    from hf_megatron.parallel.compile import _kernels_loaded_first
+
+    class LooksCuda(torch.Tensor):  # a CPU tensor that answers is_cuda like a GPU one
+        @property
+        def is_cuda(self):
+            return True
+
     calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(kernels, "load_extension", lambda: calls.append("load"))
     model = build_model(tiny_hf_model("llama"))
     apply_compile(model, backend="aot_eager")
+    forward_backward(model, torch.randint(0, 300, (2, 8)))
+    assert calls == []  # CPU tensors: nothing to load
+    region = _kernels_loaded_first(lambda x, scale=None: x)
+    x = torch.zeros(3)
+    assert region(x) is x and calls == []
+    region(x, scale=torch.zeros(1).as_subclass(LooksCuda))
     assert calls == ["load"]
-    monkeypatch.setenv("HF_MEGATRON_KERNELS", "0")  # switched off: nothing to load
-    apply_compile(build_model(tiny_hf_model("llama")), backend="aot_eager")
+    monkeypatch.setenv("HF_MEGATRON_KERNELS", "0")
+    region(torch.zeros(1).as_subclass(LooksCuda))
+    assert calls == ["load"]
+    monkeypatch.delenv("HF_MEGATRON_KERNELS")
+    monkeypatch.setattr(kernels, "loaded", lambda: True)
+    region(torch.zeros(1).as_subclass(LooksCuda))
     assert calls == ["load"]

@@ -68,8 +68,9 @@ def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
 
 def test_no_graph_break_when_a_region_is_traced_before_the_kernels_load():
     """Session 12 found dynamo tracing the first load of csrc/ (its file checks and hashing) inside the
-    first compiled layer: a graph break and a page of warnings.  Now apply_compile loads it first, and
-    a region traced before any load falls back to the PyTorch SwiGLU instead of tracing the build."""
+    first compiled layer: a graph break and a page of warnings.  Now each compiled region loads it before
+    its first CUDA call, and a region traced before any load falls back to the PyTorch SwiGLU instead of
+    tracing the build."""
     from torch._dynamo.utils import counters
 
     from hf_megatron import kernels

@@ -30,7 +30,8 @@ def _compiling() -> bool:
 def _kernel_ready(x: torch.Tensor, compilable: bool = False) -> bool:
     """The csrc kernel can take x; `compilable` ops (kernels/ops.py) also inside torch.compile, once
     the extension is loaded: a first load traced by dynamo (the build's file checks and hashing)
-    would graph-break the region, so there it falls back (`apply_compile` loads it before tracing)."""
+    would graph-break the region, so there it falls back (apply_compile's regions load it before
+    their first CUDA call)."""
     if not (x.is_cuda and x.dtype in _KERNEL_DTYPES and x.numel() > 0 and enabled()):
         return False
     if _compiling():

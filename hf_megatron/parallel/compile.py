@@ -131,13 +131,21 @@ class EagerFallback:
         return run
 
 
-def load_kernels_before_tracing() -> None:
-    """Load (build on first use) the csrc extension now, on a machine with CUDA: the SwiGLU op inside
-    each region asks for it, and a first load under dynamo's tracing would graph-break the region
-    (or, as kernels._kernel_ready does, fall back to the PyTorch expression for that graph)."""
+def _kernels_loaded_first(forward):
+    """`forward` (a compiled region), loading csrc/ eagerly before the first call that gets a CUDA
+    tensor: the SwiGLU op inside the region asks for the extension, and a first load under dynamo's
+    tracing (the build's file checks and hashing) would graph-break the region (kernels._kernel_ready
+    then falls back to the PyTorch expression instead).  Once loaded (or failed) this is one check."""
     from .. import kernels
-    if torch.cuda.is_available() and kernels.enabled():
-        kernels.load_extension()
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not kernels.loaded() and kernels.enabled() and any(
+                isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values())):
+            kernels.load_extension()
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "inductor", scope: str = "layer",
@@ -159,7 +167,6 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
         raise ValueError("apply_compile: scope 'decoder' with activation recompute applied; compile per layer "
                          "to recompute (the checkpoints would be traced inside the region)")
     setattr(model, _SCOPE, scope)
-    load_kernels_before_tracing()
     guard = EagerFallback() if fallback else None
     for name, module in compiled_regions(model, scope):
         if getattr(module, _COMPILED, False):
@@ -168,7 +175,7 @@ def apply_compile(model: nn.Module, mode: str | None = None, backend: str = "ind
             raise ValueError(f"apply_compile: {name} already has activation recompute; apply_compile first, "
                              "then apply_recompute (the checkpoint must wrap the compiled forward)")
         eager = module.forward
-        module.forward = torch.compile(eager, mode=mode, backend=backend, **compile_kwargs)
+        module.forward = _kernels_loaded_first(torch.compile(eager, mode=mode, backend=backend, **compile_kwargs))
         if memory_budget is not None:
             module.forward = _under_budget(module.forward, memory_budget)
         if guard is not None:
