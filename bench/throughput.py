@@ -58,6 +58,9 @@ Timing: `--warmup` steps (the first one includes compilation, reported on its ow
 MFU = tokens/s x FLOPs per token / the bf16 matmul peak measured in this run (bench/matmul_peak.py).
 Peak memory is torch.cuda.max_memory_allocated over the steps (weights, optimizer state and
 activations; the transformers copy that hf_megatron's variants are built from is gone by then).
+The last column is the mean SM clock (MHz) and board power (W) over the timed steps, read through
+NVML (bench/gpu_clocks.py; the JSON adds the share of samples at the software power cap): at the
+power cap the clock moves by up to ~30% (session 12), one source of the spread between two calls.
 A variant that fails (out of memory, compile error) becomes a row with its error.
 """
 from __future__ import annotations
@@ -74,6 +77,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_clocks import ClockSampler  # noqa: E402
 from matmul_peak import measure_bf16_peak  # noqa: E402
 from provenance import header, provenance  # noqa: E402
 
@@ -316,13 +320,15 @@ def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: f
             flush()
         sync()
         warmup_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = step()
-        if flush is not None:
-            loss = flush()
-        sync()
-        step_s = (time.perf_counter() - start) / args.steps
+        with ClockSampler(uuid=str(torch.cuda.get_device_properties(args.device).uuid)) if cuda \
+                else ClockSampler(lib=False) as clocks:  # the SM clock and power over the timed steps
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                loss = step()
+            if flush is not None:
+                loss = flush()
+            sync()
+            step_s = (time.perf_counter() - start) / args.steps
     finally:
         if cleanup is not None:
             cleanup()
@@ -335,7 +341,8 @@ def run_variant(name: str, spec: Spec, variant: str, args, flops: float, peak: f
             "first_loss": round(first_loss, 4), "loss": round(float(loss), 4),
             # csrc kernels (RMSNorm, SwiGLU, rotary: llama only) ran in ours' eager code -- in ours-compile
             # only the final norm is eager; their first build lands in first_step_s
-            "fused_kernels": variant.startswith("ours") and spec.family == "llama" and kernels_available()}
+            "fused_kernels": variant.startswith("ours") and spec.family == "llama" and kernels_available(),
+            **clocks.summary()}  # sm_mhz, power_w, power_capped (share of samples at the power cap): with NVML
 
 
 def free_memory(device: str) -> None:
@@ -356,17 +363,18 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | variant | tokens/s | MFU | peak mem GiB | first step s | warm-up s | loss | vs best transformers |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | variant | tokens/s | MFU | peak mem GiB | first step s | warm-up s | loss | vs best transformers "
+             "| SM MHz, W |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['variant']} | error: {r['error']} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['variant']} | error: {r['error']} | | | | | | | |")
             continue
+        clocks = f"{r['sm_mhz']}, {r['power_w']}" if "sm_mhz" in r else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         mem = r["peak_mem_gib"] if r["peak_mem_gib"] is not None else "-"
         ratio = f"{r['vs_best_hf']:.2f}x" if "vs_best_hf" in r else "-"
         lines.append(f"| {r['model']} | {r['variant']} | {r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
-                     f"{r['first_step_s']} | {r['warmup_s']} | {r['loss']} | {ratio} |")
+                     f"{r['first_step_s']} | {r['warmup_s']} | {r['loss']} | {ratio} | {clocks} |")
     return "\n".join(lines)
 
 
