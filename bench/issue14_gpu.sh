@@ -32,6 +32,9 @@
 #                                             # GPU test, then float8 and bf16 each with and without --defer-step-stats
 #                                             # (float8 + deferral ran 12% slow in every fresh process: does it still?)
 #                                             # (~6 min; carry the torchao wheel)
+#   STAGE=cudagraphs bash bench/issue14_gpu.sh  # GPT-2 medium's step is host-bound (session 11: 91 ms wall, 77 ms of
+#                                             # kernels): torch.compile's reduce-overhead mode (CUDA graphs of each
+#                                             # compiled region) on both sides, beside the default mode (~5 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -150,5 +153,11 @@ load-fix)
     tests/test_compile_gpu.py > "$OUT/load_fix_tests.txt" 2>&1; tail -3 "$OUT/load_fix_tests.txt"
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/load_fix.json" --variants ours-float8 \
     ours-float8+deferred ours-compile ours-compile-deferred > "$OUT/load_fix.txt" 2>&1; tail -6 "$OUT/load_fix.txt"
+  ;;
+cudagraphs)
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --out "$OUT/cudagraphs_default.json" --variants \
+    hf-compile ours-compile > "$OUT/cudagraphs_default.txt" 2>&1; tail -3 "$OUT/cudagraphs_default.txt"
+  python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --compile-mode reduce-overhead --out "$OUT/cudagraphs.json" \
+    --variants hf-compile ours-compile > "$OUT/cudagraphs.txt" 2>&1; tail -3 "$OUT/cudagraphs.txt"
   ;;
 esac
