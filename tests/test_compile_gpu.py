@@ -66,27 +66,40 @@ def test_memory_budget_under_inductor_saves_less_and_tracks_eager(budget):
     assert torch._functorch.config.activation_memory_budget == 1.0
 
 
-def test_no_graph_break_when_a_region_is_traced_before_the_kernels_load():
+def test_no_graph_break_when_a_region_is_traced_before_the_kernels_load(monkeypatch):
     """Session 12 found dynamo tracing the first load of csrc/ (its file checks and hashing) inside the
     first compiled layer: a graph break and a page of warnings.  Now each compiled region loads it before
     its first CUDA call, and a region traced before any load falls back to the PyTorch SwiGLU instead of
-    tracing the build."""
+    tracing the build.  A process that has not loaded csrc/ yet is simulated (the module is not imported
+    twice: the "first load" hands back the one already built)."""
     from torch._dynamo.utils import counters
 
     from hf_megatron import kernels
-    from hf_megatron.kernels import build
-    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    from hf_megatron.kernels import build, ops
+    extension = build.load_extension()
+    assert extension is not None
+    monkeypatch.setattr(build, "_extension", None)
+    monkeypatch.setattr(build, "_build", lambda: extension)
     torch._dynamo.reset()
-    build.reset_for_tests()
     counters.clear()
     x = torch.randn(4, 2 * 64, device="cuda", dtype=torch.bfloat16)
     explanation = torch._dynamo.explain(kernels.swiglu)(x)
-    assert explanation.graph_break_count == 0 and not build.loaded()
+    assert explanation.graph_break_count == 0 and not build.loaded()  # the PyTorch expression, no traced load
+
+    calls = []
+
+    class Counting:  # the extension, counting the SwiGLU forwards the compiled layers run
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(extension, name)
+
+    monkeypatch.setattr(ops, "load_extension", Counting)
     torch._dynamo.reset()
     counters.clear()
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     model = build_model(tiny_hf_model("llama"), dtype=torch.bfloat16, device="cuda", compile=True)
     _loss_and_grads(model, ids)
-    assert build.loaded() and kernels.kernels_available()
+    assert build.loaded() and calls.count("swiglu_forward") >= len(model.decoder.layers)  # loaded before tracing
     # the loss region's own break (the csrc cross entropy is torch.compiler.disable'd) is by design
     untraceable = [reason for reason in counters["graph_break"] if "does not know how to trace" in reason]
     assert not untraceable, untraceable
