@@ -9,11 +9,15 @@ the kernel time per group (matmul, attention, elementwise/fused, copies, reducti
 memset, communication) and the top kernels by total time.  `--syncs` lists the CUDA runtime calls that
 make the host wait (stream / device / event synchronise, blocking copies, frees, pinned allocations)
 per step, with the ops and our Python frames around them: where a host falls behind its GPU.
+Each variant is profiled in a fresh child process (`--no-isolate`: all in this one), as
+bench/throughput.py measures them.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -131,6 +135,24 @@ def profile_variant(name: str, variant: str, args) -> dict:
                                    key=lambda kv: -kv[1])[: args.top] for g in args.breakdown}}
 
 
+def profile_in_child(variant: str, args) -> dict:
+    """One variant profiled in a fresh process, as bench/throughput.py measures: a variant built after
+    another in one process finds its state (compiled graphs, a loaded csrc extension, allocator pools)
+    and may run other code than it would alone (session 12: a deferred float8 step profiled second ran
+    at float8's speed, while alone it was 12% slower).  The child's stderr passes through."""
+    command = [sys.executable, __file__, "--model", args.model, "--variants", variant, "--steps", str(args.steps),
+               "--warmup", str(args.warmup), "--top", str(args.top), "--lr", str(args.lr), "--device", args.device,
+               "--gaps", str(args.gaps), "--child", "--no-isolate"]
+    command += (["--tiny"] if args.tiny else []) + (["--syncs"] if args.syncs else [])
+    command += ["--breakdown", *args.breakdown] if args.breakdown else []
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    found = [line[len("RESULT "):] for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        raise SystemExit(f"profile_step.py: the child profiling {variant} exited {done.returncode} without a result "
+                         "(its error is above)")
+    return json.loads(found[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(throughput.MODELS), default="gpt2-medium")
@@ -149,11 +171,20 @@ def main() -> None:
                              "(records Python stacks: the wall time then includes that overhead)")
     parser.add_argument("--breakdown", nargs="*", default=[], metavar="GROUP",
                         help="also list the top kernels inside these groups (e.g. copy/cast reduction)")
+    parser.add_argument("--no-isolate", dest="isolate", action="store_false",
+                        help="profile every variant in this process (default: each in a fresh child process)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:  # one variant's result for the parent (profile_in_child)
+        print("RESULT " + json.dumps(profile_variant(args.model, args.variants[0], args)), flush=True)
+        return
     results = []
     for variant in args.variants:
-        throughput.free_memory(args.device)
-        results.append(profile_variant(args.model, variant, args))
+        if args.isolate:
+            results.append(profile_in_child(variant, args))
+        else:
+            throughput.free_memory(args.device)
+            results.append(profile_variant(args.model, variant, args))
     groups = sorted({g for r in results for g in r["groups"]})
     print(f"\n{args.model}: ms per step")
     print("| | " + " | ".join(r["variant"] for r in results) + " |")
