@@ -35,6 +35,12 @@
 #   STAGE=cudagraphs bash bench/issue14_gpu.sh  # GPT-2 medium's step is host-bound (session 11: 91 ms wall, 77 ms of
 #                                             # kernels): torch.compile's reduce-overhead mode (CUDA graphs of each
 #                                             # compiled region) on both sides, beside the default mode (~5 min)
+#   STAGE=profile-xl bash bench/issue14_gpu.sh  # session 13: GPT-2 XL's step with and without --defer-step-stats
+#                                             # (idle gaps, reductions, inductor kernels) and the 1.2B's deferred one
+#   STAGE=callers bash bench/issue14_gpu.sh  # session 13: which ops launch GPT-2 XL's 3.6 ms/step of aten fp32
+#                                             # reductions (bench/kernel_callers.py, ~1.5 min)
+#   STAGE=mix-order bash bench/issue14_gpu.sh  # session 13: those sums are inductor's mix-order reduction's
+#                                             # epilogue: GPT-2 medium / XL with it on, off, autotuned (~5 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -159,5 +165,29 @@ cudagraphs)
     hf-compile ours-compile > "$OUT/cudagraphs_default.txt" 2>&1; tail -3 "$OUT/cudagraphs_default.txt"
   python3 bench/throughput.py --lr 3e-4 --models gpt2-medium --compile-mode reduce-overhead --out "$OUT/cudagraphs.json" \
     --variants hf-compile ours-compile > "$OUT/cudagraphs.txt" 2>&1; tail -3 "$OUT/cudagraphs.txt"
+  ;;
+profile-xl)
+  python3 bench/profile_step.py --model gpt2-xl --variants ours-compile ours-compile-deferred --top 20 --gaps 10 \
+    --breakdown reduction "compiled (triton)" "other elementwise" memset/fill > "$OUT/profile_xl.txt" 2>&1
+  python3 bench/profile_step.py --model llama-1b --variants ours-compile-deferred --top 20 --gaps 10 \
+    --breakdown reduction "compiled (triton)" "other elementwise" memset/fill > "$OUT/profile_llama.txt" 2>&1
+  grep -A14 "ms per step" "$OUT/profile_xl.txt" "$OUT/profile_llama.txt"
+  ;;
+callers)
+  python3 bench/kernel_callers.py --model gpt2-xl --variant ours-compile --kernel "reduce_kernel<128, 4" \
+    > "$OUT/callers_xl.txt" 2>&1; tail -8 "$OUT/callers_xl.txt"
+  # inductor's generated code for the same run: where those sums come from
+  TORCH_LOGS=output_code python3 bench/kernel_callers.py --model gpt2-xl --variant ours-compile --warmup 1 \
+    --kernel "reduce_kernel<128, 4" > "$OUT/output_code_xl.txt" 2>&1; grep -c "aten.sum" "$OUT/output_code_xl.txt"
+  ;;
+mix-order)
+  # inductor's mix-order reduction (LayerNorm backward) finishes each of its weight/bias gradients with an
+  # eager sum over [512, 1600] fp32 partials: 240 launches, 3.4 ms per GPT-2 XL step. Off, or autotuned split
+  for setting in default TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 TORCHINDUCTOR_MIX_ORDER_REDUCTION_AUTOTUNE_SPLIT_SIZE=1; do
+    tag=$(echo "${setting##*_}" | tr = -)
+    env $([ "$setting" = default ] || echo "$setting") python3 bench/throughput.py --lr 3e-4 --models gpt2-medium gpt2-xl \
+      --variants ours-compile --out "$OUT/mix_order_$tag.json" > "$OUT/mix_order_$tag.txt" 2>&1
+    echo "$setting"; tail -2 "$OUT/mix_order_$tag.txt"
+  done
   ;;
 esac

@@ -198,8 +198,8 @@ class TrainingConfig:
         False, group="speed", help="hf-megatron train reads each step's loss and grad norm after the next step's "
                                    "forward and backward are queued, so the GPU does not wait for the host between "
                                    "steps (training/deferred.py); the same numbers, logs, evaluations and "
-                                   "checkpoints; off by default: +1-2% on one H200 in bf16, but ~12% slower with "
-                                   "--fp8-format on a Llama 1.2B (README, Speed options)")
+                                   "checkpoints; off by default: +0.5-2% on one H200, within the spread between "
+                                   "runs (README, Speed options)")
     seed: int = option(1234, group="training", at_least=0, help="seed of weights init, dropout and data shuffling")
 
     def __post_init__(self) -> None:
