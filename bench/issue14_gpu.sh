@@ -41,6 +41,8 @@
 #                                             # reductions (bench/kernel_callers.py, ~1.5 min)
 #   STAGE=mix-order bash bench/issue14_gpu.sh  # session 13: those sums are inductor's mix-order reduction's
 #                                             # epilogue: GPT-2 medium / XL with it on, off, autotuned (~5 min)
+#   STAGE=fp8-e4m3 bash bench/issue14_gpu.sh  # session 13: 20-step 1.2B curves (lr 3e-4) of float8 with e4m3
+#                                             # gradients and with the first and last layer in bf16, beside hybrid (~3 min)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -189,5 +191,11 @@ mix-order)
       --variants ours-compile --out "$OUT/mix_order_$tag.json" > "$OUT/mix_order_$tag.txt" 2>&1
     echo "$setting"; tail -2 "$OUT/mix_order_$tag.txt"
   done
+  ;;
+fp8-e4m3)
+  python3 bench/loss_curves.py --out "$OUT/curves_fp8_formats.json" --options default "fp8-format hybrid" \
+    "fp8-format e4m3" "fp8 first-last-layers-bf16" > "$OUT/curves_fp8_formats.txt" 2>&1; tail -8 "$OUT/curves_fp8_formats.txt"
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_ends.json" --variants ours-float8+bf16-ends \
+    > "$OUT/fp8_ends.txt" 2>&1; tail -1 "$OUT/fp8_ends.txt"
   ;;
 esac

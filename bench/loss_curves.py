@@ -19,6 +19,8 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     no-torch-compile             --no-torch-compile (eager)
     cross-entropy-loss-fusion    --cross-entropy-loss-fusion (output layer + loss in chunks)
     fp8-format hybrid            --fp8-format hybrid --fp8-recipe tensorwise (torchao float8 linears)
+    fp8-format e4m3              --fp8-format e4m3 --fp8-recipe tensorwise (gradients in e4m3 too: one
+                                 more mantissa bit than hybrid's e5m2, less range)
     fp8-recipe rowwise           --fp8-format e4m3 --fp8-recipe rowwise (a scale per row)
     fp8-recipe rowwise_with_gw_hp  --fp8-format e4m3 --fp8-recipe rowwise_with_gw_hp (rowwise, the
                                  weight-gradient GEMM in bf16)
@@ -81,6 +83,7 @@ OPTIONS = {
     "no-torch-compile": {"torch_compile": False},
     "cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": True},
     "fp8-format hybrid": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise"},
+    "fp8-format e4m3": {"fp8_format": "e4m3", "fp8_recipe": "tensorwise"},
     "fp8-recipe rowwise": {"fp8_format": "e4m3", "fp8_recipe": "rowwise"},
     "fp8-recipe rowwise_with_gw_hp": {"fp8_format": "e4m3", "fp8_recipe": "rowwise_with_gw_hp"},
     "fp8 first-last-layers-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},

@@ -49,7 +49,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
                   0.5: the partitioner recomputes the cheapest activations instead of saving them
     ours-X+M+...  an ours-* variant with more options (MODIFIERS: +fused-ce +float8 +wgrad-fusion
                   +torch-adamw +decoder +deferred +bf16-moments (--exp-avg-dtype / --exp-avg-sq-dtype bf16),
-                  or +budget-B), e.g. ours-compile+deferred+decoder
+                  +bf16-ends (with +float8: --first-last-layers-bf16, the first and last layer's linears in
+                  bf16), or +budget-B), e.g. ours-compile+deferred+decoder, ours-float8+bf16-ends
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -196,12 +197,13 @@ def session5_optimizer(chunks, cfg):
 def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, ids: torch.Tensor, lr: float = 1e-5,
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
               torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
-              memory_budget: float | None = None, bf16_moments: bool = False, torch_ce: bool = False):
+              memory_budget: float | None = None, bf16_moments: bool = False, torch_ce: bool = False,
+              bf16_ends: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     cfg = TrainingConfig(micro_batch_size=spec.batch, global_batch_size=spec.batch, lr=lr, bf16=True, clip_grad=1.0,
-                         fp8_format="hybrid" if float8 else None,
+                         fp8_format="hybrid" if float8 else None, first_last_layers_bf16=bf16_ends,
                          gradient_accumulation_fusion=wgrad_fusion, use_precision_aware_optimizer=bf16_moments,
                          exp_avg_dtype="bf16" if bf16_moments else "fp32",
                          exp_avg_sq_dtype="bf16" if bf16_moments else "fp32")
@@ -248,7 +250,7 @@ MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-
     "fused-ce": {"fused_loss": True}, "float8": {"float8": True},
     "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
     "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}, "full-buffer": {"full_buffer": True},
-    "torch-ce": {"torch_ce": True}}
+    "torch-ce": {"torch_ce": True}, "bf16-ends": {"bf16_ends": True}}
 NAMED = {  # the named ours-* variants as ours-compile + modifiers
     "ours-fused-ce": "fused-ce", "ours-float8": "float8", "ours-wgrad-fusion": "wgrad-fusion",
     "ours-compile-full-buffer": "full-buffer", "ours-torch-adamw": "torch-adamw", "ours-compile-decoder": "decoder",
