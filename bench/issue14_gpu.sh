@@ -43,6 +43,9 @@
 #                                             # epilogue: GPT-2 medium / XL with it on, off, autotuned (~5 min)
 #   STAGE=fp8-e4m3 bash bench/issue14_gpu.sh  # session 13: 20-step 1.2B curves (lr 3e-4) of float8 with e4m3
 #                                             # gradients and with the first and last layer in bf16, beside hybrid (~3 min)
+#   STAGE=fp8-ends bash bench/issue14_gpu.sh  # next (session 13): float8 with the first and last layer in bf16 --
+#                                             # its speed beside float8, its curve again with the perturbed-init floor,
+#                                             # which end matters, and at lr 1e-4 (~7 min; carry the torchao wheel)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -197,5 +200,14 @@ fp8-e4m3)
     "fp8-format e4m3" "fp8 first-last-layers-bf16" > "$OUT/curves_fp8_formats.txt" 2>&1; tail -8 "$OUT/curves_fp8_formats.txt"
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_ends.json" --variants ours-float8+bf16-ends \
     > "$OUT/fp8_ends.txt" 2>&1; tail -1 "$OUT/fp8_ends.txt"
+  ;;
+fp8-ends)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_ends_speed.json" --variants ours-float8 \
+    ours-float8+bf16-ends > "$OUT/fp8_ends_speed.txt" 2>&1; tail -2 "$OUT/fp8_ends_speed.txt"
+  python3 bench/loss_curves.py --out "$OUT/curves_ends_3e-4.json" --options default "default (perturbed init)" \
+    "fp8-format hybrid" "fp8 first-last-layers-bf16" "fp8 first-layer-bf16" "fp8 last-layer-bf16" \
+    > "$OUT/curves_ends_3e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_3e-4.txt"
+  python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_ends_1e-4.json" --options default \
+    "fp8-format hybrid" "fp8 first-last-layers-bf16" > "$OUT/curves_ends_1e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_1e-4.txt"
   ;;
 esac

@@ -25,6 +25,8 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     fp8-recipe rowwise_with_gw_hp  --fp8-format e4m3 --fp8-recipe rowwise_with_gw_hp (rowwise, the
                                  weight-gradient GEMM in bf16)
     fp8 first-last-layers-bf16   fp8-format hybrid, --first-last-layers-bf16 (first and last layer in bf16)
+    fp8 first-layer-bf16         the same with --num-layers-at-end-in-bf16 0 (only the first layer in bf16)
+    fp8 last-layer-bf16          the same with --num-layers-at-start-in-bf16 0 (only the last layer in bf16)
     all                          the three together (bench/throughput.py's ours-float8+fused-ce)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
                                  (Megatron-LM's name); otherwise the row says it is absent
@@ -87,6 +89,10 @@ OPTIONS = {
     "fp8-recipe rowwise": {"fp8_format": "e4m3", "fp8_recipe": "rowwise"},
     "fp8-recipe rowwise_with_gw_hp": {"fp8_format": "e4m3", "fp8_recipe": "rowwise_with_gw_hp"},
     "fp8 first-last-layers-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True},
+    "fp8 first-layer-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+                             "num_layers_at_end_in_bf16": 0},
+    "fp8 last-layer-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+                            "num_layers_at_start_in_bf16": 0},
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "torch-adamw": {"_torch_adamw": True},
