@@ -46,6 +46,10 @@
 #   STAGE=fp8-ends bash bench/issue14_gpu.sh  # next (session 13): float8 with the first and last layer in bf16 --
 #                                             # its speed beside float8, its curve again with the perturbed-init floor,
 #                                             # which end matters, and at lr 1e-4 (~7 min; carry the torchao wheel)
+#   STAGE=fp8-graphs bash bench/issue14_gpu.sh  # next: the float8 1.2B step has ~11 ms of wall beyond its kernels
+#                                             # (session 12: 206.0 vs 195.0 ms, no gap over 0.75 ms: many small
+#                                             # casts and amax kernels): per-region CUDA graphs (reduce-overhead),
+#                                             # beside STAGE=load-fix's default-mode numbers (~4 min; torchao wheel)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -209,5 +213,9 @@ fp8-ends)
     > "$OUT/curves_ends_3e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_3e-4.txt"
   python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_ends_1e-4.json" --options default \
     "fp8-format hybrid" "fp8 first-last-layers-bf16" > "$OUT/curves_ends_1e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_1e-4.txt"
+  ;;
+fp8-graphs)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --compile-mode reduce-overhead --out "$OUT/fp8_graphs.json" \
+    --variants ours-float8 ours-float8+deferred ours-compile > "$OUT/fp8_graphs.txt" 2>&1; tail -4 "$OUT/fp8_graphs.txt"
   ;;
 esac
