@@ -28,12 +28,22 @@ VERB_MODULES = [
 ]
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching, as Megatron-LM's parser (allow_abbrev=False): a flag is
+    taken only as spelled, so `--num-layers` is never read as the start of a longer flag and a
+    misspelt or truncated flag is an error, not silently another one.  Sub-parsers inherit it."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hf-megatron",
         description="Megatron-style training and checkpoint tools for Hugging Face models.",
     )
-    subparsers = parser.add_subparsers(dest="verb", metavar="<verb>")
+    subparsers = parser.add_subparsers(dest="verb", metavar="<verb>", parser_class=Parser)
     for name in VERB_MODULES:
         try:
             module = importlib.import_module(name)

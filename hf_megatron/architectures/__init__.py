@@ -100,15 +100,17 @@ def hf_class_name(model_type: str) -> str:
     return get(model_type).hf_class
 
 
-def hf_config_from_megatron_args(args: Any, vocab_size: int | None = None) -> dict[str, Any]:
-    """A transformers config dict for a checkpoint written by Megatron-LM (no `hf_config` in it):
-    the first registered family whose recogniser claims the flags."""
+def hf_config_from_megatron_args(args: Any, vocab_size: int | None = None,
+                                 what: str = "checkpoint architecture") -> dict[str, Any]:
+    """A transformers config dict for a checkpoint written by Megatron-LM (no `hf_config` in it), or
+    for Megatron-LM's model flags: the first registered family whose recogniser claims the flags.
+    `what` names the source in the error."""
     view = MegatronArgs(args, vocab_size)
     for arch in REGISTRY.values():
         fields = arch.from_megatron_args(view) if arch.from_megatron_args else None
         if fields is not None:
             return {"model_type": arch.model_type, "architectures": [arch.hf_class], **fields}
-    raise ConfigError(f"checkpoint architecture ({view.describe()}) matches none of {', '.join(SUPPORTED)}")
+    raise ConfigError(f"{what} ({view.describe()}) matches none of {', '.join(SUPPORTED)}")
 
 
 __all__ = ["Architecture", "ConfigError", "MegatronArgs", "REGISTRY", "Row", "SUPPORTED", "Shard", "Transform",

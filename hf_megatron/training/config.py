@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import operator
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError
+from .config_fields import _fail, check_fields, flag_of, option  # noqa: F401  (re-exported)
+from .model_flags import MEGATRON_DROPOUT, ModelFlags
 from ..parallel import state
 from ..parallel.compile import SCOPES as COMPILE_SCOPES
 from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
@@ -28,54 +28,6 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 MOMENT_DTYPES = ("fp32", "bf16")  # Megatron-LM's --exp-avg-dtype / --exp-avg-sq-dtype choices we offer
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 MEGATRON_DESTS = {"fp8": "fp8_format"}  # Megatron-LM's argparse dest -> our field (its flag's name)
-BOUNDS = (("at_least", ">=", operator.ge), ("above", ">", operator.gt), ("below", "<", operator.lt))
-
-
-def option(default: Any = MISSING, *, help: str, group: str, choices: tuple | None = None,
-           at_least: float | None = None, above: float | None = None, below: float | None = None,
-           cli_required: bool = False, aliases: tuple[str, ...] = (), off_switch: str | None = None):
-    """A dataclass field with what the CLI and the checks need to know about it.
-
-    `at_least` / `above` / `below`: bounds (>=, >, <) checked by `check_fields`; None values are
-    not checked (they mean "unset").  `cli_required`: the flag must be given on the command line
-    even though Python callers get the default.  `aliases`: more flag spellings (Megatron-LM's own,
-    e.g. --override-opt_param-scheduler).  `off_switch`: a bool's Megatron-LM flag that turns it off
-    (e.g. --no-gradient-accumulation-fusion), accepted so Megatron-LM command lines run unchanged."""
-    metadata = {"help": help, "group": group, "choices": choices, "at_least": at_least, "above": above,
-                "below": below, "cli_required": cli_required, "aliases": aliases, "off_switch": off_switch}
-    return field(default=default, metadata=metadata)
-
-
-def flag_of(name: str) -> str:
-    """Megatron-LM's flag for a field: `lr_warmup_iters` -> `--lr-warmup-iters`."""
-    return "--" + name.replace("_", "-")
-
-
-def _fail(config, name: str, expected: str, value: Any) -> None:
-    raise ConfigError(f"{type(config).__name__}.{name} ({flag_of(name)}): expected {expected}, got {value!r}")
-
-
-def check_fields(config) -> None:
-    """Check every field against its metadata's choices and bounds (one-line ConfigError)."""
-    for f in dataclasses.fields(config):
-        value, meta = getattr(config, f.name), f.metadata
-        if value is None and "None" not in str(f.type):  # annotations are strings here
-            _fail(config, f.name, "a value (this field cannot be unset)", value)
-        if f.type == "bool" and not isinstance(value, bool):
-            _fail(config, f.name, "True or False", value)
-        if value is None or isinstance(value, bool):
-            continue
-        if isinstance(value, float) and not math.isfinite(value):
-            _fail(config, f.name, "a finite number", value)
-        if meta.get("choices") and value not in meta["choices"]:
-            _fail(config, f.name, f"one of {', '.join(meta['choices'])}", value)
-        bounds = [(meta[key], symbol, test) for key, symbol, test in BOUNDS if meta.get(key) is not None]
-        try:
-            ok = all(test(value, bound) for bound, _, test in bounds)
-        except TypeError:  # e.g. a string from a YAML file
-            ok = False
-        if not ok:
-            _fail(config, f.name, "a number " + " and ".join(f"{symbol} {bound}" for bound, symbol, _ in bounds), value)
 
 
 @dataclass
@@ -327,8 +279,10 @@ class TrainingConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
-    """What to train on and where to write: everything that is not a TrainingConfig field."""
+class RunConfig(ModelFlags):
+    """What to train on and where to write: everything that is not a TrainingConfig field.  The model
+    is --hf-model, --hf-config, Megatron-LM's model flags (`ModelFlags`, training/model_flags.py) or,
+    on --load / --pretrained-checkpoint, the checkpoint's own."""
 
     hf_model: str | None = option(None, group="model", help="HF folder or Hub id: pretrained weights and config (this or --hf-config)")
     hf_config: str | None = option(None, group="model",
@@ -365,9 +319,11 @@ class RunConfig:
         False, group="fine-tuning", aliases=("--use-checkpoint-opt_param-scheduler",),
         help="on --load, take the LR schedule's shape from the checkpoint (default: both must agree)")
     hidden_dropout: float | None = option(None, group="fine-tuning", at_least=0.0, below=1.0,
-                                          help="dropout on embeddings and residual branches (default: the model's)")
+                                          help="dropout on embeddings and residual branches (default: the model's; 0.1 "
+                                               "with the model flags, as Megatron-LM)")
     attention_dropout: float | None = option(None, group="fine-tuning", at_least=0.0, below=1.0,
-                                             help="dropout on attention probabilities (default: the model's)")
+                                             help="dropout on attention probabilities (default: the model's; 0.1 with the "
+                                                  "model flags, as Megatron-LM)")
     exit_interval: int | None = option(None, group="exit", at_least=1,
                                        help="save and exit 0 when the iteration is a multiple of N")
     exit_duration_in_mins: float | None = option(None, group="exit", above=0.0,
@@ -404,11 +360,17 @@ class RunConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         from_checkpoint = bool(self.pretrained_checkpoint or self.load)  # it can give the model's structure
-        if (self.hf_model and self.hf_config) or not (from_checkpoint or self.hf_model or self.hf_config):
-            raise ConfigError("RunConfig: give exactly one of --hf-model (pretrained weights) or --hf-config "
-                              f"(fresh init from a config.json), got hf_model={self.hf_model!r}, "
-                              f"hf_config={self.hf_config!r} (with --load / --pretrained-checkpoint either may be "
+        from_flags = self.check_model_flags()
+        if (self.hf_model and self.hf_config) or not (from_checkpoint or from_flags or self.hf_model
+                                                      or self.hf_config):
+            raise ConfigError("RunConfig: give exactly one of --hf-model (pretrained weights), --hf-config "
+                              "(fresh init from a config.json) or Megatron-LM's model flags (--num-layers, "
+                              f"--hidden-size, --num-attention-heads, ...), got hf_model={self.hf_model!r}, "
+                              f"hf_config={self.hf_config!r} (with --load / --pretrained-checkpoint all may be "
                               "left out: the checkpoint's own config is used)")
+        if from_flags:  # Megatron-LM's default dropouts come with its model flags
+            self.hidden_dropout = MEGATRON_DROPOUT if self.hidden_dropout is None else self.hidden_dropout
+            self.attention_dropout = MEGATRON_DROPOUT if self.attention_dropout is None else self.attention_dropout
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError("RunConfig: --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                               "are exclusive: give one")

@@ -105,6 +105,13 @@ def _config_of_hf_config_file(path_str: str) -> ModelConfig:
     return ModelConfig.from_hf(hf_config)
 
 
+def _config_of_model_flags(run: RunConfig) -> ModelConfig:
+    from .model_flags import hf_config_of_flags
+    from .tokenizer_files import tokenizer_source, vocab_size_of
+    folder = tokenizer_source(run)
+    return ModelConfig.from_hf(hf_config_of_flags(run, vocab_size_of(folder) if folder else None))
+
+
 def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
     """(what to build the model from, its ModelConfig).  The first is an HF folder / Hub id when its
     weights are the ones to train (a fresh run with --hf-model, or a fine-tune from an HF source),
@@ -113,6 +120,8 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
         return start.hf_source, _config_of_hf(start.hf_source)  # its own config.json gives the structure
     if run.hf_config:
         config = _config_of_hf_config_file(run.hf_config)
+    elif run.model_flags_given():
+        config = _config_of_model_flags(run)
     elif run.hf_model:
         config = _config_of_hf(run.hf_model)
         if not start.weights_from_megatron:
