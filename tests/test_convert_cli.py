@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_megatron.checkpoint.writer as writer_module
 import hf_megatron.conversion.convert as convert_module
@@ -127,3 +128,29 @@ def test_failed_verify_and_interrupted_runs_leave_no_output(hf_sources, tmp_path
     assert "bad" not in left and "cut" not in left
     assert [n for n in left if n.startswith(".cut.partial-")] and not any(
         (tmp_path / n / "latest_checkpointed_iteration.txt").exists() for n in left if n.startswith("."))
+
+
+def test_megatron_lm_convert_tool_spellings_write_the_same_checkpoints(hf_sources, tmp_path, capsys):
+    """--load-dir / --save-dir / --target-*-parallel-size (Megatron-LM's tools/checkpoint/convert.py)
+    write what our spellings write."""
+    src = hf_sources["qwen2"]
+    assert main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(tmp_path / "ours"), "--tp", "2"]) == 0
+    assert main(["convert", "hf-to-megatron", "--load-dir", str(src), "--save-dir", str(tmp_path / "theirs"),
+                 "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "1"]) == 0
+    from hf_megatron.checkpoint.unpickle import safe_load
+
+    def rank_tensors(name, rank):
+        model = safe_load(tmp_path / name / "release" / rank / "model_optim_rng.pt")["model"]
+        return {key: value for key, value in model.items() if isinstance(value, torch.Tensor)}
+
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        ours = rank_tensors("ours", rank)
+        assert ours
+        assert_identical(ours, rank_tensors("theirs", rank))
+    assert main(["reshard", "--load-dir", str(tmp_path / "theirs"), "--save-dir", str(tmp_path / "pp2"),
+                 "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size", "2"]) == 0
+    assert (tmp_path / "pp2/release/mp_rank_00_001/model_optim_rng.pt").is_file()
+    assert main(["convert", "megatron-to-hf", "--load-dir", str(tmp_path / "pp2"), "--save-dir",
+                 str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    assert_identical(hf_tensors(src), hf_tensors(tmp_path / "back"))

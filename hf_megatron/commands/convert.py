@@ -6,7 +6,10 @@
 The Megatron side is Megatron-LM's layout (latest_checkpointed_iteration.txt,
 iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt); megatron-to-hf also reads checkpoints written by
 Megatron-LM itself (mcore or legacy names, torch or torch_dist format).  Outputs appear only
-when complete.  --verify compares logits of source and result on a fixed prompt.
+when complete.  --verify compares logits of source and result on a fixed prompt.  The flags of
+Megatron-LM's tools/checkpoint/convert.py are accepted as other spellings: --load-dir (--hf /
+--megatron), --save-dir (--out), --target-tensor-parallel-size (--tp),
+--target-pipeline-parallel-size (--pp).
 """
 from __future__ import annotations
 
@@ -24,10 +27,12 @@ def add_parser(subparsers) -> None:
     directions = parser.add_subparsers(dest="direction", metavar="<direction>", required=True)
 
     to_megatron = directions.add_parser("hf-to-megatron", help="HF folder or Hub id -> Megatron checkpoint")
-    to_megatron.add_argument("--hf", required=True, help="save_pretrained folder or Hub repo id")
-    to_megatron.add_argument("--out", required=True, help="new Megatron checkpoint folder")
-    to_megatron.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    to_megatron.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_megatron.add_argument("--hf", "--load-dir", required=True, help="save_pretrained folder or Hub repo id")
+    to_megatron.add_argument("--out", "--save-dir", required=True, help="new Megatron checkpoint folder")
+    to_megatron.add_argument("--tp", "--target-tensor-parallel-size", type=int, default=1,
+                             help="tensor-parallel size")
+    to_megatron.add_argument("--pp", "--target-pipeline-parallel-size", type=int, default=1,
+                             help="pipeline-parallel size")
     to_megatron.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     to_megatron.add_argument("--dtype", default=None, help="store weights as fp32 | bf16 | fp16 (default: as is)")
     to_megatron.add_argument("--verify", action="store_true", help="compare logits of source and result")
@@ -38,8 +43,9 @@ def add_parser(subparsers) -> None:
     to_megatron.set_defaults(func=run_to_megatron)
 
     to_hf = directions.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF folder (safetensors)")
-    to_hf.add_argument("--megatron", required=True, help="checkpoint root (with the tracker) or an iter_* folder")
-    to_hf.add_argument("--out", required=True, help="new HF folder")
+    to_hf.add_argument("--megatron", "--load-dir", required=True,
+                       help="checkpoint root (with the tracker) or an iter_* folder")
+    to_hf.add_argument("--out", "--save-dir", required=True, help="new HF folder")
     to_hf.add_argument("--dtype", default=None, help="fp32 | bf16 | fp16 (default: as stored)")
     to_hf.add_argument("--tokenizer", default=None, help="tokenizer folder to copy (default: <megatron>/tokenizer)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")

@@ -5,6 +5,9 @@
     hf-megatron reshard --src run/ --out run_tp2/ --tp 2 --with-optimizer --use-distributed-optimizer \
         --overlap-grad-reduce --ddp-bucket-size 40000000
 
+Megatron-LM's tools/checkpoint/convert.py spellings work too: --load-dir, --save-dir,
+--target-tensor-parallel-size, --target-pipeline-parallel-size.
+
 Model weights only by default: the optimizer restarts (resume with --no-load-optim, or fine-tune).
 The iteration number and tokenizer files are kept.
 
@@ -37,10 +40,11 @@ TARGET_FLAGS = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-b
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("reshard", help="change the TP/PP layout of a Megatron checkpoint",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", required=True, help="Megatron checkpoint root or iter_* folder")
-    parser.add_argument("--out", required=True, help="new checkpoint folder")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--src", "--load-dir", required=True, help="Megatron checkpoint root or iter_* folder")
+    parser.add_argument("--out", "--save-dir", required=True, help="new checkpoint folder")
+    parser.add_argument("--tp", "--target-tensor-parallel-size", type=int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", "--target-pipeline-parallel-size", type=int, default=1,
+                        help="pipeline-parallel size")
     parser.add_argument("--vpp", type=int, default=None, help="virtual pipeline chunks per stage")
     parser.add_argument("--verify", action="store_true", help="compare logits of source and result")
     parser.add_argument("--with-optimizer", action="store_true",
