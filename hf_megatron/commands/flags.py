@@ -32,7 +32,8 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for cls in config_classes:
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
+        own = cls.__dict__.get("__annotations__", {})  # a class's own fields first, then inherited ones
+        for f in sorted(dataclasses.fields(cls), key=lambda f: f.name not in own):
             meta = f.metadata
             if meta["group"] not in groups:
                 groups[meta["group"]] = parser.add_argument_group(meta["group"])
