@@ -9,6 +9,7 @@ import json
 import re
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from train_cli import base_args, cli_inprocess, cli_subprocess, last_line, make_workspace
 
@@ -104,3 +105,38 @@ def test_flags_are_taken_only_as_spelled(workspace, tmp_path):
     code, _, err = cli_subprocess("--num-layers-at-start", 1, *base_args(workspace, 2, "--save", tmp_path / "s"))
     assert code == 2 and "unrecognized arguments: --num-layers-at-start 1" in err, err
     assert not (tmp_path / "s").exists()
+
+
+def test_megatron_lm_pretrain_gpt_command_line_runs_unchanged(tmp_path):
+    """The shape of Megatron-LM's examples/pretrain_gpt.sh (GPT_ARGS, DATA_ARGS with GPT-2 vocab and
+    merge files, OUTPUT_ARGS, --save/--load the same folder), tiny sizes, on this CPU with gloo."""
+    import numpy as np
+    from test_convert_helpers import make_tokenizer
+
+    from hf_megatron.data import IndexedDatasetWriter
+    make_tokenizer(tmp_path / "tok").backend_tokenizer.model.save(str(tmp_path), "gpt2")
+    ids = len(json.loads((tmp_path / "gpt2-vocab.json").read_text()))
+    with IndexedDatasetWriter(str(tmp_path / "corpus_text_document"), dtype=np.uint16) as writer:
+        for doc in np.random.default_rng(0).integers(0, ids, size=(80, 40)):
+            writer.add_item(doc)
+            writer.end_document()
+    gpt_args = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--seq-length", 32,
+                "--max-position-embeddings", 32, "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 0.00015,
+                "--train-iters", 4, "--lr-decay-iters", 3, "--lr-decay-style", "cosine", "--min-lr", 1.0e-5,
+                "--weight-decay", 1e-2, "--lr-warmup-fraction", .01, "--clip-grad", 1.0]
+    data_args = ["--data-path", tmp_path / "corpus_text_document", "--vocab-file", tmp_path / "gpt2-vocab.json",
+                 "--merge-file", tmp_path / "gpt2-merges.txt", "--tokenizer-type", "GPT2BPETokenizer",
+                 "--split", "949,50,1"]
+    output_args = ["--log-interval", 2, "--save-interval", 2, "--eval-interval", 2, "--eval-iters", 1]
+    run = [*gpt_args, *data_args, *output_args, "--distributed-backend", "gloo", "--save", tmp_path / "ckpt",
+           "--load", tmp_path / "ckpt"]
+    code, out, err = cli_inprocess(*run)
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert "validation loss at iteration 4" in out
+    model = _to_hf(tmp_path, tmp_path / "ckpt", "hf")
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.config.n_positions == 32
+    if not torch.cuda.is_available():  # nccl needs GPUs: one line, nothing written
+        code, _, err = cli_inprocess(*run[:-4], "--distributed-backend", "nccl", "--save", tmp_path / "other")
+        assert code == 2 and "--distributed-backend nccl): expected CUDA GPUs" in last_line(err), err
+        assert not (tmp_path / "other").exists()

@@ -56,3 +56,51 @@ def test_hf_to_megatron_carries_a_given_tokenizer_and_leaves_no_empty_folder(wor
     text = "a lazy dog"
     assert AutoTokenizer.from_pretrained(tmp_path / "tp2" / "tokenizer")(text)["input_ids"] == \
         AutoTokenizer.from_pretrained(workspace / "config")(text)["input_ids"]
+
+
+def test_megatron_lm_tokenizer_flags_gpt2_bpe_files_and_null(workspace, tmp_path):
+    """--tokenizer-type GPT2BPETokenizer --vocab-file --merge-file (Megatron-LM's GPT-2 files) is the
+    run's tokenizer: it gives the model flags their vocabulary and is stored as a transformers folder
+    that encodes as transformers' own GPT2TokenizerFast of those files; NullTokenizer stores none."""
+    import json
+    from transformers import GPT2TokenizerFast
+    fast = AutoTokenizer.from_pretrained(workspace / "config")
+    fast.backend_tokenizer.model.save(str(tmp_path), "gpt2")  # gpt2-vocab.json, gpt2-merges.txt
+    vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
+    ids = len(json.loads(vocab.read_text()))
+    import numpy as np
+    from hf_megatron.data import IndexedDatasetWriter
+    corpus = tmp_path / "corpus_text_document"  # ids this tokenizer has (the workspace's go up to 299)
+    with IndexedDatasetWriter(str(corpus), dtype=np.uint16) as writer:
+        for doc in np.random.default_rng(0).integers(0, ids, size=(60, 50)):
+            writer.add_item(doc)
+            writer.end_document()
+    shape = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--data-path", corpus]
+    code, out, err = cli_inprocess(*base_args(workspace, 2, *shape, "--tokenizer-type", "GPT2BPETokenizer",
+                                              "--vocab-file", vocab, "--merge-file", merges,
+                                              "--save", tmp_path / "bpe", config=False))
+    assert code == 0, err[-2000:]
+    args = safe_load(tmp_path / "bpe" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    reference = GPT2TokenizerFast(str(vocab), str(merges))  # adds <|endoftext|> when vocab.json lacks it
+    assert args.hf_config["vocab_size"] == len(reference) >= ids
+    stored = AutoTokenizer.from_pretrained(tmp_path / "bpe" / "tokenizer")
+    text = "the quick brown fox"
+    assert stored(text)["input_ids"] == reference(text)["input_ids"] and reference(text)["input_ids"]
+    code, out, err = cli_inprocess(*base_args(workspace, 2, *shape, "--tokenizer-type", "NullTokenizer",
+                                              "--vocab-size", 300, "--save", tmp_path / "null", config=False))
+    assert code == 0, err[-2000:]
+    assert not (tmp_path / "null" / "tokenizer").exists()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json"], "expected --vocab-file and --merge-file"),
+    (["--vocab-file", "v.json", "--merge-file", "m.txt"], "--vocab-file is read with --tokenizer-type "
+                                                          "GPT2BPETokenizer"),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], "expected a tokenizer for --tokenizer-type HuggingFaceTokenizer"),
+    (["--tokenizer-type", "NullTokenizer", "--tokenizer-model", "x"], "NullTokenizer has no tokenizer"),
+    (["--tokenizer-type", "BertWordPieceLowerCase"], "--tokenizer-type"),
+])
+def test_bad_tokenizer_flags_are_one_line(workspace, tmp_path, argv, fragment):
+    code, _, err = cli_inprocess(*base_args(workspace, 1, *argv, "--save", tmp_path / "s"))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert fragment in last_line(err), err

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..data.tokenizers import TOKENIZER_TYPES
 from ..errors import ConfigError
 from .config_fields import _fail, check_fields, flag_of, option  # noqa: F401  (re-exported)
 from .model_flags import MEGATRON_DROPOUT, ModelFlags
@@ -344,9 +345,19 @@ class RunConfig(ModelFlags):
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
     no_checkpoint_checksums: bool = option(False, group="checkpointing and logging",
                                            help="neither write nor verify sha256 sidecars of checkpoint files")
-    tokenizer_model: str | None = option(None, group="monitoring",
-                                         help="tokenizer for text samples: HF folder, Hub id or SentencePiece "
-                                              ".model (default: the --hf-model / --hf-config folder's, if any)")
+    tokenizer_type: str | None = option(
+        None, group="tokenizer", choices=TOKENIZER_TYPES,
+        help="Megatron-LM's tokenizer kind: HuggingFaceTokenizer (and the SentencePiece kinds) read "
+             "--tokenizer-model; GPT2BPETokenizer reads --vocab-file and --merge-file; NullTokenizer has none "
+             "(--vocab-size) (default: --tokenizer-model's kind, else the model folder's tokenizer)")
+    vocab_file: str | None = option(None, group="tokenizer", help="GPT-2 vocab.json, with --tokenizer-type "
+                                                                  "GPT2BPETokenizer")
+    merge_file: str | None = option(None, group="tokenizer", help="GPT-2 merges.txt, with --tokenizer-type "
+                                                                  "GPT2BPETokenizer")
+    tokenizer_model: str | None = option(None, group="tokenizer",
+                                         help="the run's tokenizer (text samples, <save>/tokenizer, the model "
+                                              "flags' vocabulary): HF folder, Hub id or SentencePiece .model "
+                                              "(default: the --hf-model / --hf-config folder's, if any)")
     sample_prompt: str | None = option(None, group="monitoring",
                                        help="at each evaluation, continue this text and log it (default: no samples)")
     sample_tokens: int = option(32, group="monitoring", at_least=1, help="tokens generated per text sample")
@@ -356,6 +367,10 @@ class RunConfig(ModelFlags):
                                        help="peak TFLOP/s per GPU for MFU (default: looked up by GPU name and precision)")
     no_progress_bar: bool = option(False, group="monitoring",
                                    help="no tqdm progress bar (it is shown only when stdout is a terminal)")
+    distributed_backend: str | None = option(
+        None, group="parallelism", choices=("nccl", "gloo"),
+        help="torch.distributed backend under torchrun: nccl needs CUDA GPUs, gloo runs on CPUs (default: nccl "
+             "on GPUs, gloo on CPUs)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -368,6 +383,7 @@ class RunConfig(ModelFlags):
                               f"--hidden-size, --num-attention-heads, ...), got hf_model={self.hf_model!r}, "
                               f"hf_config={self.hf_config!r} (with --load / --pretrained-checkpoint all may be "
                               "left out: the checkpoint's own config is used)")
+        self._check_tokenizer_flags()
         if from_flags:  # Megatron-LM's default dropouts come with its model flags
             self.hidden_dropout = MEGATRON_DROPOUT if self.hidden_dropout is None else self.hidden_dropout
             self.attention_dropout = MEGATRON_DROPOUT if self.attention_dropout is None else self.attention_dropout
@@ -382,6 +398,23 @@ class RunConfig(ModelFlags):
         split_bookends(self.split)
         if self.sft_pack and not self.sft:
             raise ConfigError("RunConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
+
+
+    def _check_tokenizer_flags(self) -> None:
+        bpe_files = [f for f, v in (("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)) if v]
+        if self.tokenizer_type == "GPT2BPETokenizer" and len(bpe_files) < 2:
+            raise ConfigError("RunConfig.tokenizer_type (--tokenizer-type GPT2BPETokenizer): expected --vocab-file "
+                              "and --merge-file (GPT-2's vocab.json and merges.txt)")
+        if bpe_files and self.tokenizer_type != "GPT2BPETokenizer":
+            raise ConfigError(f"RunConfig: {bpe_files[0]} is read with --tokenizer-type GPT2BPETokenizer, got "
+                              f"--tokenizer-type {self.tokenizer_type}")
+        if self.tokenizer_type and self.tokenizer_type not in ("GPT2BPETokenizer", "NullTokenizer") \
+                and not self.tokenizer_model:
+            raise ConfigError(f"RunConfig.tokenizer_model (--tokenizer-model): expected a tokenizer for "
+                              f"--tokenizer-type {self.tokenizer_type}")
+        if self.tokenizer_type == "NullTokenizer" and self.tokenizer_model:
+            raise ConfigError("RunConfig.tokenizer_model (--tokenizer-model): --tokenizer-type NullTokenizer has no "
+                              "tokenizer; leave --tokenizer-model out")
 
 
 def same_as(cls: type, name: str):

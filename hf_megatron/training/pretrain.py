@@ -29,10 +29,14 @@ from . import tokenizer_files, trainer
 from .config import RunConfig  # noqa: F401  (re-exported: code imports it from here)
 
 
-def init_distributed() -> torch.device:
-    """Process group from torchrun's environment (if any); this rank's device."""
+def init_distributed(backend: str | None = None) -> torch.device:
+    """Process group from torchrun's environment (if any); this rank's device.  `backend`
+    (--distributed-backend): nccl runs on the GPUs, gloo on the CPUs; default: nccl where CUDA is."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.cuda.is_available():
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("RunConfig.distributed_backend (--distributed-backend nccl): expected CUDA GPUs, none is "
+                          "available; use --distributed-backend gloo")
+    if torch.cuda.is_available() and backend != "gloo":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
@@ -96,7 +100,7 @@ def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     check_data(run)
     source, model_config = model_source(run, start)
     check_model_fits(run, model_config)
-    device = init_distributed()
+    device = init_distributed(run.distributed_backend)
     trainer.setup_parallel(cfg)
     grid = state.get_state()
     gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)  # divisibility checked here

@@ -147,7 +147,10 @@ def sampler_for_run(run, seed: int) -> tuple[TextSampler | None, str | None]:
     --hf-config folder's own, if it has one."""
     if not run.sample_prompt:
         return None, None
-    if run.tokenizer_model:
+    if getattr(run, "vocab_file", None):  # --tokenizer-type GPT2BPETokenizer
+        from .tokenizer_files import gpt2_bpe_folder
+        tokenizer = load_tokenizer(str(gpt2_bpe_folder(run.vocab_file, run.merge_file)))
+    elif run.tokenizer_model:
         tokenizer = load_tokenizer(run.tokenizer_model)
     else:
         folder = run.hf_model or run.hf_config

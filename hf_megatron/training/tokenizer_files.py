@@ -1,6 +1,8 @@
 """The run's tokenizer travels with its checkpoints: `<save>/tokenizer/`, named in `args`.
 
-Where it comes from, first match: `--tokenizer-model` (an HF tokenizer folder), the `--hf-model` /
+Where it comes from, first match: none with `--tokenizer-type NullTokenizer`; GPT-2's BPE written as
+a transformers folder from `--vocab-file` / `--merge-file` (`--tokenizer-type GPT2BPETokenizer`);
+`--tokenizer-model` (an HF tokenizer folder), the `--hf-model` /
 `--hf-config` folder, the `tokenizer/` folder of `--pretrained-checkpoint` or `--load` (a Megatron
 folder we or a converter wrote).  `hf-megatron convert megatron-to-hf` and `reshard` take
 `<megatron>/tokenizer` by default, so a trained model converts back with its tokenizer.
@@ -26,8 +28,29 @@ def _has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
+_BPE_FOLDERS: dict[tuple[str, str], Path] = {}
+
+
+def gpt2_bpe_folder(vocab_file: str, merge_file: str) -> Path:
+    """Megatron-LM's GPT2BPETokenizer (--vocab-file, --merge-file) as a transformers tokenizer folder,
+    written once per process into a temporary folder."""
+    key = (os.path.abspath(vocab_file), os.path.abspath(merge_file))
+    if key not in _BPE_FOLDERS:
+        import tempfile
+        from ..data.tokenizers import build_tokenizer
+        tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file).tokenizer
+        folder = Path(tempfile.mkdtemp(prefix="hf_megatron_gpt2_bpe_"))
+        tokenizer.save_pretrained(str(folder))
+        _BPE_FOLDERS[key] = folder
+    return _BPE_FOLDERS[key]
+
+
 def tokenizer_source(run) -> Path | None:
     """The folder of HF tokenizer files this run uses, or None."""
+    if getattr(run, "tokenizer_type", None) == "NullTokenizer":
+        return None
+    if getattr(run, "vocab_file", None):
+        return gpt2_bpe_folder(run.vocab_file, run.merge_file)
     candidates = [run.tokenizer_model]
     for path in (run.hf_model, run.hf_config):
         if path:
