@@ -33,13 +33,15 @@ _BPE_FOLDERS: dict[tuple[str, str], Path] = {}
 
 def gpt2_bpe_folder(vocab_file: str, merge_file: str) -> Path:
     """Megatron-LM's GPT2BPETokenizer (--vocab-file, --merge-file) as a transformers tokenizer folder,
-    written once per process into a temporary folder."""
+    written once per process into a temporary folder (removed at exit)."""
     key = (os.path.abspath(vocab_file), os.path.abspath(merge_file))
     if key not in _BPE_FOLDERS:
         import tempfile
         from ..data.tokenizers import build_tokenizer
         tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file).tokenizer
         folder = Path(tempfile.mkdtemp(prefix="hf_megatron_gpt2_bpe_"))
+        import atexit
+        atexit.register(shutil.rmtree, folder, True)  # removed when the process ends
         tokenizer.save_pretrained(str(folder))
         _BPE_FOLDERS[key] = folder
     return _BPE_FOLDERS[key]
