@@ -104,3 +104,73 @@ def test_bad_tokenizer_flags_are_one_line(workspace, tmp_path, argv, fragment):
     code, _, err = cli_inprocess(*base_args(workspace, 1, *argv, "--save", tmp_path / "s"))
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
     assert fragment in last_line(err), err
+
+
+def _sentencepiece_model(tmp_path) -> tuple[str, int]:
+    """A small SentencePiece model trained by sentencepiece itself on text that ships with Python."""
+    import inspect
+    import sentencepiece
+    import textwrap
+    text = [line for module in (textwrap, inspect) for line in inspect.getsource(module).splitlines() if line.strip()]
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(text), model_prefix=str(tmp_path / "sp"),
+                                             vocab_size=400, model_type="bpe", minloglevel=2)
+    return str(tmp_path / "sp.model"), sentencepiece.SentencePieceProcessor(
+        model_file=str(tmp_path / "sp.model")).get_piece_size()
+
+
+def test_sentencepiece_model_file_gives_the_vocabulary_and_travels_with_its_kind(workspace, tmp_path):
+    """--tokenizer-type Llama2Tokenizer --tokenizer-model x.model (Megatron-LM's SentencePiece kinds)
+    sizes the model flags' vocabulary as Megatron-LM does (the model's pieces), is stored as
+    <save>/tokenizer/tokenizer.model, named in args with its kind -- also after a resume that does not
+    repeat --tokenizer-type -- and the stored model encodes as the original."""
+    import filecmp
+    import sentencepiece
+    model, pieces = _sentencepiece_model(tmp_path)
+    import numpy as np
+    from hf_megatron.data import IndexedDatasetWriter
+    corpus = tmp_path / "corpus_text_document"
+    with IndexedDatasetWriter(str(corpus), dtype=np.uint16) as writer:
+        for doc in np.random.default_rng(0).integers(0, pieces, size=(60, 50)):
+            writer.add_item(doc)
+            writer.end_document()
+    shape = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--data-path", corpus,
+             "--save", tmp_path / "sp_run"]
+    code, out, err = cli_inprocess(*base_args(workspace, 2, *shape, "--tokenizer-type", "Llama2Tokenizer",
+                                              "--tokenizer-model", model, config=False))
+    assert code == 0, err[-2000:]
+    stored = tmp_path / "sp_run" / "tokenizer" / "tokenizer.model"
+    assert filecmp.cmp(stored, model, shallow=False)
+    args = safe_load(tmp_path / "sp_run" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    assert args.hf_config["vocab_size"] == pieces
+    assert args.tokenizer_type == "Llama2Tokenizer" and args.tokenizer_model == str(stored.absolute())
+    text = "the quick brown fox jumps over the lazy dog"
+    assert sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model).encode(text) == \
+        sentencepiece.SentencePieceProcessor(model_file=model).encode(text)
+    code, out, err = cli_inprocess(*base_args(workspace, 3, "--data-path", corpus, "--load", tmp_path / "sp_run",
+                                              "--save", tmp_path / "sp_run", "--use-checkpoint-opt_param-scheduler",
+                                              config=False))
+    assert code == 0, err[-2000:]
+    args = safe_load(tmp_path / "sp_run" / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt")["args"]
+    assert args.tokenizer_type == "Llama2Tokenizer" and args.tokenizer_model == str(stored.absolute())
+
+
+@pytest.mark.parametrize("case", ["sp-kind-with-folder", "hf-kind-with-file", "missing-path", "damaged-model",
+                                  "folder-without-tokenizer"])
+def test_bad_tokenizer_model_is_one_line(workspace, tmp_path, case):
+    damaged = tmp_path / "damaged.model"
+    damaged.write_bytes(b"not a sentencepiece model")
+    (tmp_path / "empty").mkdir()
+    argv = {"sp-kind-with-folder": ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", workspace / "config"],
+            "hf-kind-with-file": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", damaged],
+            "missing-path": ["--tokenizer-model", tmp_path / "nope"],
+            "damaged-model": ["--tokenizer-model", damaged],
+            "folder-without-tokenizer": ["--tokenizer-model", tmp_path / "empty"]}[case]
+    fragment = {"sp-kind-with-folder": "reads a SentencePiece .model file",
+                "hf-kind-with-file": "reads a tokenizer folder or Hub id",
+                "missing-path": "no such file or folder",
+                "damaged-model": "not a SentencePiece model",
+                "folder-without-tokenizer": "has no tokenizer files"}[case]
+    code, _, err = cli_inprocess(*base_args(workspace, 1, *argv, "--save", tmp_path / "s"))
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert fragment in last_line(err), err
+    assert not (tmp_path / "s" / "latest_checkpointed_iteration.txt").exists()

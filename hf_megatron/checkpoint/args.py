@@ -56,6 +56,10 @@ from ..architectures import hf_config_from_megatron_args
 from ..config import ConfigError, ModelConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+SP_MODEL = "tokenizer.model"  # a SentencePiece model stored without transformers' files ...
+SP_KIND = "megatron_tokenizer.json"  # ... beside its Megatron-LM kind: {"tokenizer_type": ...}
+SP_KINDS = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+SP_DEFAULT_KIND = "GPTSentencePieceTokenizer"  # a .model file given without --tokenizer-type
 
 
 @dataclass
@@ -214,6 +218,8 @@ def tokenizer_args(folder: str | Path | None, location: str | Path | None = None
 
         GPT-2's byte-level BPE (vocab.json + merges.txt with <|endoftext|>)
                                     GPT2BPETokenizer, vocab_file, merge_file
+        tokenizer.model alone (no transformers files; its kind in megatron_tokenizer.json)
+                                    that SentencePiece kind, tokenizer_model = the .model file
         any other HF tokenizer      HuggingFaceTokenizer, tokenizer_model = the folder
         none                        NullTokenizer (Megatron-LM's "ids only"; it reads vocab_size)
     """
@@ -225,7 +231,18 @@ def tokenizer_args(folder: str | Path | None, location: str | Path | None = None
     if vocab.is_file() and merges.is_file() and _has_endoftext(vocab):
         return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(location / vocab.name),
                 "merge_file": str(location / merges.name)}
+    if (folder / SP_MODEL).is_file() and not any((folder / name).is_file() for name in TOKENIZER_FILES
+                                                 if name != SP_MODEL):
+        return {"tokenizer_type": _sentencepiece_kind(folder), "tokenizer_model": str(location / SP_MODEL)}
     return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(location)}
+
+
+def _sentencepiece_kind(folder: Path) -> str:
+    try:
+        kind = json.loads((folder / SP_KIND).read_text(encoding="utf-8")).get("tokenizer_type")
+    except (OSError, ValueError, AttributeError):
+        return SP_DEFAULT_KIND
+    return kind if kind in SP_KINDS else SP_DEFAULT_KIND
 
 
 def _has_endoftext(vocab: Path) -> bool:

@@ -17,7 +17,8 @@ from ..errors import CheckpointError  # re-exported
 
 WEIGHT_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "megatron_tokenizer.json")  # the last: a SentencePiece file's Megatron-LM kind (training/tokenizer_files)
 
 # safetensors header dtype codes -> torch (what a weight may be; anything else reads as uint8: refused)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

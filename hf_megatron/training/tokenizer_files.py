@@ -2,7 +2,8 @@
 
 Where it comes from, first match: none with `--tokenizer-type NullTokenizer`; GPT-2's BPE written as
 a transformers folder from `--vocab-file` / `--merge-file` (`--tokenizer-type GPT2BPETokenizer`);
-`--tokenizer-model` (an HF tokenizer folder), the `--hf-model` /
+`--tokenizer-model` (an HF tokenizer folder, or a SentencePiece `.model` file: stored as
+`tokenizer.model` beside `megatron_tokenizer.json`, which keeps its Megatron-LM kind), the `--hf-model` /
 `--hf-config` folder, the `tokenizer/` folder of `--pretrained-checkpoint` or `--load` (a Megatron
 folder we or a converter wrote).  `hf-megatron convert megatron-to-hf` and `reshard` take
 `<megatron>/tokenizer` by default, so a trained model converts back with its tokenizer.
@@ -17,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoint.args import TOKENIZER_FILES, tokenizer_args
+from ..checkpoint.args import SP_DEFAULT_KIND, SP_KIND, SP_KINDS, SP_MODEL, TOKENIZER_FILES, tokenizer_args
 from ..conversion.hf_writer import copy_tokenizer
 from ..errors import ConfigError
 
@@ -29,6 +30,15 @@ def _has_tokenizer(folder: Path) -> bool:
 
 
 _BPE_FOLDERS: dict[tuple[str, str], Path] = {}
+_SP_FOLDERS: dict[tuple[str, str], Path] = {}
+
+
+def _temp_folder(prefix: str) -> Path:
+    import atexit
+    import tempfile
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, True)  # removed when the process ends
+    return folder
 
 
 def gpt2_bpe_folder(vocab_file: str, merge_file: str) -> Path:
@@ -36,24 +46,68 @@ def gpt2_bpe_folder(vocab_file: str, merge_file: str) -> Path:
     written once per process into a temporary folder (removed at exit)."""
     key = (os.path.abspath(vocab_file), os.path.abspath(merge_file))
     if key not in _BPE_FOLDERS:
-        import tempfile
         from ..data.tokenizers import build_tokenizer
         tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file).tokenizer
-        folder = Path(tempfile.mkdtemp(prefix="hf_megatron_gpt2_bpe_"))
-        import atexit
-        atexit.register(shutil.rmtree, folder, True)  # removed when the process ends
+        folder = _temp_folder("hf_megatron_gpt2_bpe_")
         tokenizer.save_pretrained(str(folder))
         _BPE_FOLDERS[key] = folder
     return _BPE_FOLDERS[key]
 
 
+def sentencepiece_folder(model_file: str, kind: str) -> Path:
+    """A SentencePiece `.model` file (Megatron-LM's SentencePiece tokenizer kinds) as a folder holding
+    `tokenizer.model` and `megatron_tokenizer.json` (the kind), written once per process into a
+    temporary folder (removed at exit); a file SentencePiece cannot read is one error here."""
+    key = (os.path.abspath(model_file), kind)
+    if key not in _SP_FOLDERS:
+        from ..data.tokenizers import build_tokenizer
+        build_tokenizer(kind, tokenizer_model=model_file)  # refuses a damaged file
+        folder = _temp_folder("hf_megatron_sentencepiece_")
+        shutil.copyfile(model_file, folder / SP_MODEL)
+        (folder / SP_KIND).write_text(json.dumps({"tokenizer_type": kind}) + "\n", encoding="utf-8")
+        _SP_FOLDERS[key] = folder
+    return _SP_FOLDERS[key]
+
+
+def _hub_tokenizer(repo_id: str, flag: str) -> Path:
+    """A Hub repo's tokenizer files only (fetched, or found in the cache)."""
+    if repo_id.startswith((".", "/", "~")) or repo_id.count("/") > 1:
+        raise ConfigError(f"{flag}: {repo_id}: no such file or folder")
+    from huggingface_hub import snapshot_download
+    from ..conversion.hf_io import TOKENIZER_FILES as HF_TOKENIZER_FILES
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=list(HF_TOKENIZER_FILES)))
+    except Exception as exc:  # offline, unknown repo, auth: which and why in one line
+        raise ConfigError(f"{flag}: {repo_id} is not a local file or folder and could not be fetched from the Hub "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+
+
+def _given_tokenizer(path: str, kind: str | None) -> Path:
+    """--tokenizer-model: a SentencePiece .model file, a tokenizer folder or a Hub id."""
+    flag = "RunConfig.tokenizer_model (--tokenizer-model)"
+    if os.path.isfile(path):
+        if kind not in (None, *SP_KINDS):
+            raise ConfigError(f"{flag}: --tokenizer-type {kind} reads a tokenizer folder or Hub id, got the file "
+                              f"{path} (a SentencePiece .model file is --tokenizer-type {SP_DEFAULT_KIND} or "
+                              f"Llama2Tokenizer)")
+        return sentencepiece_folder(path, kind or SP_DEFAULT_KIND)
+    if kind in SP_KINDS:
+        raise ConfigError(f"{flag}: --tokenizer-type {kind} reads a SentencePiece .model file, got {path}")
+    folder = Path(path) if os.path.isdir(path) else _hub_tokenizer(path, flag)
+    if not _has_tokenizer(folder):
+        raise ConfigError(f"{flag}: {path} has no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    return folder
+
+
 def tokenizer_source(run) -> Path | None:
-    """The folder of HF tokenizer files this run uses, or None."""
+    """The folder of tokenizer files this run uses, or None."""
     if getattr(run, "tokenizer_type", None) == "NullTokenizer":
         return None
     if getattr(run, "vocab_file", None):
         return gpt2_bpe_folder(run.vocab_file, run.merge_file)
-    candidates = [run.tokenizer_model]
+    if run.tokenizer_model:
+        return _given_tokenizer(run.tokenizer_model, getattr(run, "tokenizer_type", None))
+    candidates = []
     for path in (run.hf_model, run.hf_config):
         if path:
             candidates.append(path if os.path.isdir(path) else os.path.dirname(path))
@@ -79,7 +133,10 @@ def vocab_size_of(folder: Path) -> int | None:
         if (folder / "vocab.json").is_file():
             vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
             return max(vocab.values()) + 1 if vocab else None
-    except (OSError, ValueError, TypeError, AttributeError):
+        if (folder / SP_MODEL).is_file():
+            import sentencepiece
+            return sentencepiece.SentencePieceProcessor(model_file=str(folder / SP_MODEL)).get_piece_size()
+    except (OSError, ValueError, TypeError, AttributeError, RuntimeError):
         return None
     return None
 
