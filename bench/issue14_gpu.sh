@@ -46,6 +46,7 @@
 #   STAGE=fp8-ends bash bench/issue14_gpu.sh  # next (session 13): float8 with the first and last layer in bf16 --
 #                                             # its speed beside float8, its curve again with the perturbed-init floor,
 #                                             # which end matters, and at lr 1e-4 (~7 min; carry the torchao wheel)
+#   STAGE=fp8-ends-short bash bench/issue14_gpu.sh  # the same, its speed and 3e-4 curves only (~5 min)
 #   STAGE=fp8-graphs bash bench/issue14_gpu.sh  # next: the float8 1.2B step has ~11 ms of wall beyond its kernels
 #                                             # (session 12: 206.0 vs 195.0 ms, no gap over 0.75 ms: many small
 #                                             # casts and amax kernels): per-region CUDA graphs (reduce-overhead),
@@ -213,6 +214,12 @@ fp8-ends)
     > "$OUT/curves_ends_3e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_3e-4.txt"
   python3 bench/loss_curves.py --lr 1e-4 --warmup-iters 5 --out "$OUT/curves_ends_1e-4.json" --options default \
     "fp8-format hybrid" "fp8 first-last-layers-bf16" > "$OUT/curves_ends_1e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_1e-4.txt"
+  ;;
+fp8-ends-short)  # fp8-ends' speed and its 3e-4 curves with the perturbed-init floor, nothing else (~5 min)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/fp8_ends_speed.json" --variants ours-float8 \
+    ours-float8+bf16-ends > "$OUT/fp8_ends_speed.txt" 2>&1; tail -2 "$OUT/fp8_ends_speed.txt"
+  python3 bench/loss_curves.py --out "$OUT/curves_ends_3e-4.json" --options default "default (perturbed init)" \
+    "fp8-format hybrid" "fp8 first-last-layers-bf16" > "$OUT/curves_ends_3e-4.txt" 2>&1; tail -2 "$OUT/curves_ends_3e-4.txt"
   ;;
 fp8-graphs)
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --compile-mode reduce-overhead --out "$OUT/fp8_graphs.json" \
