@@ -43,11 +43,11 @@
 #                                             # epilogue: GPT-2 medium / XL with it on, off, autotuned (~5 min)
 #   STAGE=fp8-e4m3 bash bench/issue14_gpu.sh  # session 13: 20-step 1.2B curves (lr 3e-4) of float8 with e4m3
 #                                             # gradients and with the first and last layer in bf16, beside hybrid (~3 min)
-#   STAGE=fp8-ends bash bench/issue14_gpu.sh  # next (session 13): float8 with the first and last layer in bf16 --
+#   STAGE=fp8-ends bash bench/issue14_gpu.sh  # session 15 (H100): float8 with the first and last layer in bf16 --
 #                                             # its speed beside float8, its curve again with the perturbed-init floor,
 #                                             # which end matters, and at lr 1e-4 (~7 min; carry the torchao wheel)
 #   STAGE=fp8-ends-short bash bench/issue14_gpu.sh  # the same, its speed and 3e-4 curves only (~5 min)
-#   STAGE=fp8-graphs bash bench/issue14_gpu.sh  # next: the float8 1.2B step has ~11 ms of wall beyond its kernels
+#   STAGE=fp8-graphs bash bench/issue14_gpu.sh  # session 15 (H100, no gain): the float8 1.2B step has ~11 ms of wall beyond its kernels
 #                                             # (session 12: 206.0 vs 195.0 ms, no gap over 0.75 ms: many small
 #                                             # casts and amax kernels): per-region CUDA graphs (reduce-overhead),
 #                                             # beside STAGE=load-fix's default-mode numbers (~4 min; torchao wheel)
