@@ -17,18 +17,9 @@ import hf_megatron.checkpoint.writer as writer_module
 import hf_megatron.conversion.convert as convert_module
 from hf_megatron.checkpoint.files import StagingDir
 from hf_megatron.cli import main
-from test_convert_helpers import assert_identical, hf_sources, hf_tensors  # noqa: F401
+from test_convert_helpers import assert_identical, cli_fails as _fails, hf_sources, hf_tensors  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _fails(argv, capsys, *fragments):
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for fragment in fragments:
-        assert fragment in err, err
-    return err
 
 
 def test_cli_converts_both_ways_with_verify(hf_sources, tmp_path, capsys):

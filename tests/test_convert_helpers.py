@@ -61,6 +61,18 @@ def hf_sources(tmp_path_factory) -> dict[str, Path]:
     return {arch: save_hf(root / arch, arch) for arch in ARCHS}
 
 
+def cli_fails(argv, capsys, *fragments) -> str:
+    """`hf-megatron ARGV` exits 2 with a one-line error holding every fragment; returns the line."""
+    from hf_megatron.cli import main
+    capsys.readouterr()  # what came before (transformers' progress bars)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+    return err
+
+
 def cli_round_trip(source: Path, tmp_path: Path, capsys) -> Path:
     """`hf-megatron convert` HF -> Megatron (tp2 x pp2) -> HF, both with --verify (asserted to
     pass); the tensors come back bit-identical.  Returns the HF folder written back."""

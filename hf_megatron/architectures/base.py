@@ -21,6 +21,7 @@ with hpg = heads per group, hn = head dim.  SwiGLU fc1 = [gate; up] (full tensor
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -202,6 +203,9 @@ class Architecture:
     plan                ModelConfig -> parallel plan {module pattern: Shard}
     from_megatron_args  MegatronArgs -> the family's HF config dict (model_type and architectures
                         are added by the registry), or None when the flags are not this family's
+    hf_unused           regexes of stored HF tensors the model has no place for and transformers
+                        loads past without a word (its class's `_keys_to_ignore_on_load_unexpected`);
+                        RoPE families add `rotary_emb.inv_freq` (see `unused_hf_tensors`)
     """
 
     model_type: str
@@ -210,6 +214,7 @@ class Architecture:
     weights: tuple[Row, ...]
     plan: Callable[[ModelConfig], dict[str, Shard]] = gpt_plan
     from_megatron_args: Callable[["MegatronArgs"], dict[str, Any] | None] | None = None
+    hf_unused: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for side, names in (("megatron-core", [row.mcore for row in self.weights]),
@@ -227,6 +232,22 @@ class Architecture:
 
     def mcore_to_hf(self, get: Getter, config: ModelConfig, layers=None) -> Iterator[Pair]:
         return mcore_to_hf(self.weights, get, config, layers)
+
+    def hf_names(self, config: ModelConfig, mcore: str) -> tuple[str, ...]:
+        """The HF tensor name(s) of megatron-core tensor `mcore` (a full name, layer number filled in)."""
+        for name, hf, _ in expand(self.weights, config):
+            if name == mcore:
+                return hf
+        raise KeyError(mcore)
+
+    def unused_hf_tensors(self, config: ModelConfig) -> "re.Pattern[str]":
+        """Stored HF tensor names to pass over (what transformers ignores on load): the family's
+        `hf_unused`, and the per-layer `rotary_emb.inv_freq` buffers older checkpoints of RoPE
+        models hold (transformers' `_adjust_missing_and_unexpected_keys` drops those too)."""
+        patterns = list(self.hf_unused)
+        if config.position_embedding_type == "rope":
+            patterns.append(r"rotary_emb\.inv_freq$")
+        return re.compile("|".join(f"(?:{p})" for p in patterns) or r"(?!)")
 
 
 # ------------------------------------------------------------------------------ shared readers

@@ -1,4 +1,5 @@
-"""GPT-2: LayerNorm with biases, learned absolute positions, GELU, tied embeddings.
+"""GPT-2: LayerNorm with biases, learned absolute positions, GELU, tied embeddings (an untied
+`lm_head.weight` where config.json says tie_word_embeddings=false, as GPT2LMHeadModel keeps it).
 
 HF's GPT-2 uses Conv1D layers, whose weights are stored [in, out]: transposed to megatron-core's
 Linear [out, in]; c_attn is one packed [q; k; v] tensor.
@@ -28,6 +29,7 @@ WEIGHTS = (
     *_weight_and_bias(L + "mlp.linear_fc1", H + "mlp.c_fc", TRANSPOSE),
     *_weight_and_bias(L + "mlp.linear_fc2", H + "mlp.c_proj", TRANSPOSE),
     *_weight_and_bias("decoder.final_layernorm", "transformer.ln_f"),
+    Row("output_layer.weight", "lm_head.weight", when="not tie_word_embeddings"),
 )
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
@@ -55,7 +57,8 @@ def _fields(data: dict[str, Any]) -> dict[str, Any]:
         add_qkv_bias=True,
         add_proj_bias=True,
         add_mlp_bias=True,
-        tie_word_embeddings=True,  # GPT2LMHeadModel always ties lm_head to wte
+        # GPT2LMHeadModel ties lm_head to wte unless the config says otherwise (transformers' default: tied)
+        tie_word_embeddings=bool(data.get("tie_word_embeddings", True)),
         hidden_dropout=float(data.get("resid_pdrop", 0.0)),
         attention_dropout=float(data.get("attn_pdrop", 0.0)),
         embedding_dropout=float(data.get("embd_pdrop", 0.0)),
@@ -71,7 +74,13 @@ def _from_megatron_args(args: MegatronArgs) -> dict[str, Any] | None:
     return dict(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.num_layers, n_head=args.heads,
                 n_inner=args.ffn, n_positions=args.max_positions, layer_norm_epsilon=args.eps,
                 activation_function="gelu_new" if args.get("openai_gelu") else "gelu",
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                tie_word_embeddings=not args.get("untie_embeddings_and_output_weights", False))
 
 
-GPT2 = Architecture("gpt2", ("GPT2LMHeadModel",), _fields, WEIGHTS, from_megatron_args=_from_megatron_args)
+# the causal-mask buffers of older checkpoints (transformers' GPT2PreTrainedModel ignores attn.bias and
+# crossattention.bias on load; transformers 4 listed attn.masked_bias as well)
+UNUSED = (r"\.attn\.bias$", r"\.attn\.masked_bias$", r"\.crossattention\.bias$", r"\.crossattention\.masked_bias$")
+
+GPT2 = Architecture("gpt2", ("GPT2LMHeadModel",), _fields, WEIGHTS, from_megatron_args=_from_megatron_args,
+                    hf_unused=UNUSED)

@@ -160,6 +160,31 @@ class HFCheckpoint:
         for name in expected:
             file, shape, dtype = stored[self._stored_name(name)]
             check_tensor(file, name, shape, dtype, expected[name], config, "config.json")
+        self._check_unexpected(config, {self._stored_name(name) for name in expected}, stored)
+
+    def _check_unexpected(self, config, used: set[str], stored: dict) -> None:
+        """A stored tensor the model has no place for is an error (one line naming its file), never
+        dropped -- except what transformers also passes over (the family's `unused_hf_tensors`) and
+        a tied model's `lm_head.weight` that equals the embedding (older save_pretrained wrote both)."""
+        from ..architectures import get as architecture
+        from ..checkpoint.shapes import describe
+        arch = architecture(config.model_type)
+        ignored = arch.unused_hf_tensors(config)
+        extra = [name for name in stored if name not in used and not ignored.search(name)]
+        if config.tie_word_embeddings and "lm_head.weight" in extra:
+            extra.remove("lm_head.weight")
+            (embedding,) = arch.hf_names(config, "embedding.word_embeddings.weight")
+            head, table = self.get("lm_head.weight"), self.get(embedding)
+            if head.shape != table.shape or not torch.equal(head, table.to(head.dtype)):
+                raise CheckpointError(
+                    f"{stored['lm_head.weight'][0]}: lm_head.weight differs from {self._stored_name(embedding)}, but "
+                    f"{self.path / 'config.json'} says tie_word_embeddings=true (transformers would use the "
+                    f"embedding and drop lm_head.weight); set tie_word_embeddings to false to keep this head")
+        if extra:
+            file = stored[extra[0]][0]
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            raise CheckpointError(f"{file}: unexpected tensor {extra[0]!r}{more}: not part of the model "
+                                  f"{self.path / 'config.json'} describes ({describe(config)})")
 
     def model_config(self):
         """The ModelConfig of config.json; a field we cannot use is an error naming the file."""

@@ -1,0 +1,105 @@
+"""What a user's HF folder may hold, and what conversion and `hf_megatron.from_pretrained` make of it,
+judged against transformers' own `from_pretrained` of the same folder: an untied GPT-2 head is kept,
+a config.json that contradicts the weights (tied but a different lm_head, tensors the model has no
+place for) is a one-line error, and the model comes back as transformers returns it (eval mode,
+its dtype)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_megatron
+from hf_megatron.checkpoint.unpickle import safe_load
+from hf_megatron.cli import main
+from test_convert_helpers import assert_identical, cli_fails as _fails, hf_tensors, save_hf
+
+IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 128, 1]])
+
+
+def _reference_logits(folder, **kwargs) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, **kwargs)
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def test_untied_gpt2_head_is_kept_both_ways(tmp_path, capsys):
+    src = save_hf(tmp_path / "untied", "gpt2", tie_word_embeddings=False)
+    stored = hf_tensors(src)
+    assert not torch.equal(stored["lm_head.weight"], stored["transformer.wte.weight"])  # really untied
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    assert main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(meg), "--tp", "2", "--pp", "2",
+                 "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    last = safe_load(meg / "release/mp_rank_01_001/model_optim_rng.pt")
+    assert last["args"].untie_embeddings_and_output_weights is True
+    # the second tp rank's half of the padded vocabulary (300 -> 512): rows 256..299 of lm_head
+    assert torch.equal(last["model"]["output_layer.weight"][:44], stored["lm_head.weight"][256:])
+    assert main(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(back), "--verify"]) == 0
+    capsys.readouterr()
+    assert_identical(stored, hf_tensors(back))
+    reference = _reference_logits(src)
+    torch.testing.assert_close(_reference_logits(back), reference, rtol=0, atol=0)
+    with torch.no_grad():
+        ours = hf_megatron.from_pretrained(src)(IDS).logits
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def _with_tensors(src, folder, **extra: torch.Tensor):
+    """A copy of the save_pretrained folder `src` whose model.safetensors also holds `extra`."""
+    import shutil
+    from safetensors.torch import save_file
+    shutil.copytree(src, folder)
+    save_file({**hf_tensors(src), **extra}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_tied_config_with_a_different_lm_head_is_refused(tmp_path, capsys):
+    src = save_hf(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    embedding = hf_tensors(src)["model.embed_tokens.weight"]
+    other = _with_tensors(src, tmp_path / "other", **{"lm_head.weight": embedding + 1.0})
+    weights = str(other / "model.safetensors")
+    _fails(["convert", "hf-to-megatron", "--hf", str(other), "--out", str(tmp_path / "o")], capsys,
+           weights, "lm_head.weight", "tie_word_embeddings", str(other / "config.json"))
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(hf_megatron.errors.CheckpointError, match="tie_word_embeddings"):
+        hf_megatron.from_pretrained(other)
+    # the same values (older save_pretrained wrote both): accepted, and the logits are transformers'
+    same = _with_tensors(src, tmp_path / "same", **{"lm_head.weight": embedding.clone()})
+    assert main(["convert", "hf-to-megatron", "--hf", str(same), "--out", str(tmp_path / "m"), "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(hf_megatron.from_pretrained(same)(IDS).logits, _reference_logits(same),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("llama", "model.layers.0.self_attn.q_proj.bias"),  # attention_bias is false
+    ("llama", "model.layers.2.mlp.down_proj.weight"),  # num_hidden_layers is 2
+    ("gpt2", "transformer.h.0.attn.c_attn.scale"),  # no such tensor in GPT-2
+    ("gpt2", "score.weight"),  # a classification head
+])
+def test_unexpected_tensors_are_refused(arch, extra, tmp_path, capsys):
+    src = save_hf(tmp_path / arch, arch)
+    folder = _with_tensors(src, tmp_path / "extra", **{extra: torch.zeros(64)})
+    _fails(["convert", "hf-to-megatron", "--hf", str(folder), "--out", str(tmp_path / "o")], capsys,
+           str(folder / "model.safetensors"), repr(extra))
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(hf_megatron.errors.CheckpointError, match="unexpected tensor"):
+        hf_megatron.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("arch,buffers", [
+    ("gpt2", ("transformer.h.0.attn.bias", "transformer.h.1.attn.bias", "h.0.attn.masked_bias")),
+    ("llama", ("model.layers.0.self_attn.rotary_emb.inv_freq",)),
+])
+def test_buffers_transformers_ignores_are_accepted(arch, buffers, tmp_path, capsys):
+    """Older checkpoints hold the causal-mask (GPT-2) and RoPE frequency buffers: transformers loads
+    past them, and so do we, with its logits."""
+    src = save_hf(tmp_path / arch, arch)
+    folder = _with_tensors(src, tmp_path / "buffers", **{name: torch.ones(1, 1, 64, 64) for name in buffers})
+    assert main(["convert", "hf-to-megatron", "--hf", str(folder), "--out", str(tmp_path / "m"), "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(hf_megatron.from_pretrained(folder)(IDS).logits, _reference_logits(folder),
+                                   rtol=1e-5, atol=1e-5)
