@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .architectures import hf_to_mcore, plan_for
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .checkpoint.shapes import check_missing, check_tensor
 from .conversion.hf_io import HFCheckpoint
 from .conversion.layout import hf_shapes
@@ -44,9 +44,11 @@ from .parallel.wgrad import apply_wgrad_fusion
 _GRID = object()  # default tensor-parallel group: the one of the process's rank grid
 
 
-def _hf_source(source: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]:
-    """(config, get(name) -> tensor) for a transformers model object, a folder or a repo id; every
-    weight the config needs is checked present at its shape before any is read."""
+def _hf_source(source: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor], torch.dtype]:
+    """(config, get(name) -> tensor, dtype) for a transformers model object, a folder or a repo id;
+    every weight the config needs is checked present at its shape before any is read.  `dtype`
+    is what transformers' `from_pretrained(dtype="auto")` (its default) gives: config.json's
+    `dtype` / `torch_dtype`, else the stored weights' -- for a model object, its weights'."""
     if isinstance(source, nn.Module) and hasattr(source, "config"):
         config = ModelConfig.from_hf(source.config.to_dict())
         state_dict = source.state_dict()
@@ -55,11 +57,12 @@ def _hf_source(source: Any) -> tuple[ModelConfig, Callable[[str], torch.Tensor]]
         for name, shape in expected.items():
             check_tensor("the given model", name, state_dict[name].shape, state_dict[name].dtype, shape, config,
                          "its config")
-        return config, lambda name: state_dict[name].detach()
+        dtype = next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.get_default_dtype())
+        return config, lambda name: state_dict[name].detach(), dtype
     checkpoint = HFCheckpoint(source)
     config = checkpoint.model_config()
     checkpoint.check(config)
-    return config, checkpoint.get
+    return config, checkpoint.get, checkpoint.auto_dtype()
 
 
 def init_pairs(model: nn.Module, full_shapes: dict[str, torch.Size], seed: int) -> Iterable[tuple[str, torch.Tensor]]:
@@ -103,11 +106,16 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     `fp8_bf16_layers=(N, M)` keeps the whole model's first N and last M layers in bf16.
     `gradient_accumulation_fusion=True` makes the transformer layers'
     linears accumulate their weight gradients into the optimizer's fp32 main grads inside the
-    GEMM (`parallel.wgrad`)."""
+    GEMM (`parallel.wgrad`).  `dtype=None`: torch's default dtype; "auto": the pretrained source's
+    (as transformers' from_pretrained picks it)."""
     if isinstance(source, ModelConfig):
-        config, get = source, None
+        config, get, source_dtype = source, None, torch.get_default_dtype()
     else:
-        config, get = _hf_source(source)  # opened once: config now, tensors after materialising
+        config, get, source_dtype = _hf_source(source)  # opened once: config now, tensors after materialising
+    if isinstance(dtype, str):
+        if dtype != "auto":
+            raise ConfigError(f"dtype: expected a torch.dtype or 'auto', got {dtype!r}")
+        dtype = source_dtype
     with torch.device("meta"):
         whole = GPTModel(config, dtype=dtype)
     shapes = {k: v.shape for k, v in whole.state_dict().items()}  # before parallelize shards `whole` itself
@@ -137,14 +145,17 @@ def build_model(source: Any, *, stage: int = 0, num_stages: int = 1, layers_per_
     return model
 
 
-def from_pretrained(name_or_path_or_model: Any, *, dtype: torch.dtype | None = None, device=None,
+def from_pretrained(name_or_path_or_model: Any, *, dtype: torch.dtype | str | None = "auto", device=None,
                     **kwargs: Any) -> GPTModel:
-    """A GPTModel with the pretrained weights of a transformers causal LM (object, folder or Hub id).
+    """A GPTModel with the pretrained weights of a transformers causal LM (object, folder or Hub id),
+    returned as transformers' `from_pretrained` returns its model: in eval mode (dropout off; call
+    `.train()` to train) and, by default (`dtype="auto"`), in config.json's `dtype` (else the stored
+    weights'); `dtype=torch.float32` (or None: torch's default) asks for another.
 
     Keyword arguments go to `build_model` (`sequence_parallel`, `recompute`, `compile`, `tp_group`, `stage`,
     `num_stages`, `layers_per_stage`).  After `hf_megatron.parallel.initialize(tp=...)` the model is
     tensor-parallel over the process grid's TP group and each rank loads only its shard."""
-    return build_model(name_or_path_or_model, dtype=dtype, device=device, **kwargs)
+    return build_model(name_or_path_or_model, dtype=dtype, device=device, **kwargs).eval()
 
 
 def build_model_chunks(source: Any, *, vpp: int = 1, layers_per_stage: list[int] | None = None,

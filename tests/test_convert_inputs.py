@@ -103,3 +103,39 @@ def test_buffers_transformers_ignores_are_accepted(arch, buffers, tmp_path, caps
     with torch.no_grad():
         torch.testing.assert_close(hf_megatron.from_pretrained(folder)(IDS).logits, _reference_logits(folder),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_from_pretrained_returns_an_eval_model_as_transformers(tmp_path):
+    """Dropout configured > 0: transformers' from_pretrained gives an eval model (dropout off), so its
+    logits are deterministic; ours must be the same model in the same mode."""
+    src = save_hf(tmp_path / "dropout", "gpt2", resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3)
+    model = hf_megatron.from_pretrained(src)
+    reference = AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
+    assert reference.training is False and model.training is False
+    assert not any(module.training for module in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, reference(IDS).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("drop_config_dtype", [False, True])
+def test_from_pretrained_dtype_is_transformers_auto(drop_config_dtype, tmp_path):
+    """transformers 5 loads in config.json's dtype (or, with none, the weights'): bf16 here."""
+    import json
+    src = tmp_path / "bf16"
+    save_hf(src, "llama")
+    AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    if drop_config_dtype:
+        del config["dtype"]
+        (src / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
+    model = hf_megatron.from_pretrained(src)
+    assert reference.dtype == torch.bfloat16
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():  # both in bf16: equal to bf16 rounding
+        torch.testing.assert_close(model(IDS).logits.float(), reference(IDS).logits.float(), rtol=0.02, atol=0.02)
+    # an explicit dtype wins, as in transformers
+    assert {p.dtype for p in hf_megatron.from_pretrained(src, dtype=torch.float32).parameters()} == {torch.float32}
+    # a transformers model object keeps its own dtype
+    assert {p.dtype for p in hf_megatron.from_pretrained(reference).parameters()} == {torch.bfloat16}

@@ -186,6 +186,21 @@ class HFCheckpoint:
             raise CheckpointError(f"{file}: unexpected tensor {extra[0]!r}{more}: not part of the model "
                                   f"{self.path / 'config.json'} describes ({describe(config)})")
 
+    def auto_dtype(self) -> torch.dtype:
+        """The dtype transformers' `from_pretrained(dtype="auto")` loads this checkpoint in: config.json's
+        `dtype` (transformers 5) or `torch_dtype` (4.x) when it names a floating dtype, else the first
+        floating-point stored tensor's."""
+        for key in ("dtype", "torch_dtype"):
+            name = self.config.get(key)
+            if isinstance(name, str):
+                dtype = getattr(torch, name.removeprefix("torch."), None)
+                if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                    return dtype
+        for _, _, dtype in self.stored().values():
+            if dtype.is_floating_point:
+                return dtype
+        return torch.get_default_dtype()
+
     def model_config(self):
         """The ModelConfig of config.json; a field we cannot use is an error naming the file."""
         from ..config import ModelConfig
