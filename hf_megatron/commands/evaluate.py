@@ -15,7 +15,12 @@ first --eval-iters global batches.  A checkpoint written by `hf-megatron train` 
     hf-megatron evaluate --load ckpt --data-path corpus_text_document
 
 reproduces the run's `lm loss validation` at the checkpoint's weights.  Without recorded values:
---split 969,30,1, seed 1234, every full global batch of one epoch of the split.
+--split 969,30,1, seed 1234, every full global batch of one epoch of the split.  A weighted blend
+(`--data-path 0.3 A 0.7 B`) is scored as Megatron-LM validates it: the blend of each prefix's split,
+sized by the samples asked for (so --eval-iters, given or recorded, is needed).  A checkpoint
+trained with --sft (recorded too) is scored as training scored it, response tokens only; --sft
+does the same for an --hf-model.  --seq-length and the data's token ids are checked against the
+model as `train` checks them, before the model is built.
 
     loss = mean over global batches of (sum of per-token losses / scored tokens);  ppl = exp(loss)
 """
@@ -24,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import types
 
 from ..training.config import EVAL_SPLITS, EvalConfig
@@ -59,6 +66,15 @@ def validation_samples(ecfg: EvalConfig, recorded: dict, gbs: int) -> int | None
     return max(asked, need or 0)
 
 
+def _model_config(ecfg: EvalConfig):
+    """The model's ModelConfig, read without building it (checks come before the slow part)."""
+    if ecfg.hf_model:
+        from ..training.start import config_of_hf
+        return config_of_hf(ecfg.hf_model)
+    from ..checkpoint.load import open_megatron
+    return open_megatron(ecfg.load).config
+
+
 def _model(ecfg: EvalConfig, cfg, device) -> list:
     from ..training import trainer
     if ecfg.hf_model:
@@ -70,42 +86,73 @@ def _model(ecfg: EvalConfig, cfg, device) -> list:
     return chunks
 
 
+def _warn(line: str) -> None:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"hf-megatron evaluate: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _check_sft_data(ecfg: EvalConfig) -> None:
+    """Never score an SFT dataset as pretraining text without saying so."""
+    from ..data.indexed import idx_path
+    from ..data.sft_records import loss_mask_prefix
+    if ecfg.sft or len(ecfg.data_path) != 1 or len(ecfg.data_path[0].split()) != 1:
+        return
+    if os.path.isfile(idx_path(loss_mask_prefix(ecfg.data_path[0]))):
+        _warn(f"--data-path {ecfg.data_path[0]} is an SFT dataset (it has a loss mask) scored as pretraining text "
+              "(every token, packed windows); give --sft to score response tokens only, as `train --sft` does")
+
+
 def evaluate(ecfg: EvalConfig) -> dict:
     """Collective under torchrun; every rank returns the same result."""
-    from ..data.builder import build_gpt_datasets
-    from ..errors import DataError
+    from ..data.builder import build_datasets, parse_blend
+    from ..errors import ConfigError, DataError
     from ..parallel import state
-    from ..training import trainer
     from ..training.monitor import logging_rank, ppl
+    from ..training.preflight import check_model_fits
     from ..training.pretrain import _evaluate, init_distributed
 
     recorded = recorded_args(ecfg.load)
     ecfg = ecfg.with_recorded(recorded)
     cfg = ecfg.training_config()
+    model_config = _model_config(ecfg)
+    seq_length = ecfg.seq_length or min(1024, model_config.max_position_embeddings)
+    check_model_fits(seq_length, model_config)  # as train: one line, before the model is built
+    data = " ".join(ecfg.data_path)
+    _, weights = parse_blend(ecfg.data_path if len(ecfg.data_path) > 1 else ecfg.data_path[0])
     device = init_distributed()
+    from ..training import trainer
     trainer.setup_parallel(cfg)
     grid = state.get_state()
-    chunks = _model(ecfg, cfg, device)
-    seq_length = ecfg.seq_length or min(1024, chunks[0].config.max_position_embeddings)
     gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
     which = EVAL_SPLITS.index(ecfg.eval_split)
     wanted = [None, None, None]
     wanted[which] = validation_samples(ecfg, recorded, gbs)
-    data = ecfg.data_path if len(ecfg.data_path) > 1 else ecfg.data_path[0]
-    dataset = build_gpt_datasets(data, split=ecfg.split, seq_length=seq_length, seed=cfg.seed,
-                                 num_samples=tuple(wanted), cache_dir=ecfg.data_cache_path or "auto")[which]
+    if weights is not None and wanted[which] is None:
+        # Megatron-LM samples a weighted blend by count (eval_iters x global batch per evaluation): no epoch
+        raise ConfigError(f"EvalConfig.eval_iters (--eval-iters): expected a number of global batches to score "
+                          f"with a weighted --data-path blend ({data}), which is sampled by "
+                          "count, not by epochs")
+    _check_sft_data(ecfg)
+    run = types.SimpleNamespace(data_path=ecfg.data_path, split=ecfg.split, seq_length=seq_length,
+                                data_cache_path=ecfg.data_cache_path, sft=ecfg.sft, sft_pack=ecfg.sft_pack)
+    dataset = build_datasets(run, cfg.seed, tuple(wanted), vocab_size=model_config.vocab_size,
+                             skip_splits=[name for name in EVAL_SPLITS if name != ecfg.eval_split])[which]
     batches = len(dataset) // gbs if ecfg.eval_iters is None else min(ecfg.eval_iters, len(dataset) // gbs)
     if batches == 0:
         raise DataError(f"--data-path {data}: the {ecfg.eval_split} split of --split {ecfg.split!r} has {len(dataset)} "
                         f"samples of {seq_length} tokens, fewer than one global batch of {gbs}")
+    chunks = _model(ecfg, cfg, device)
     loss = _evaluate(chunks, dataset, cfg, types.SimpleNamespace(eval_iters=batches), device)
     result = {"split": ecfg.eval_split, "lm_loss": loss, "ppl": ppl(loss), "global_batches": batches,
               "samples": batches * gbs, "tokens": batches * gbs * seq_length, "seq_length": seq_length,
-              "data_split": ecfg.split, "seed": cfg.seed, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp}
+              "data_split": ecfg.split, "seed": cfg.seed, "sft": ecfg.sft, "tp": grid.tp, "pp": grid.pp,
+              "dp": grid.dp}
     if grid.rank == logging_rank(grid.world, grid.pp):
         print(f" {ecfg.eval_split} loss of {ecfg.load or ecfg.hf_model} on {data} (--split {ecfg.split}, seed "
-              f"{cfg.seed}) | {batches} global batches of {gbs} x {seq_length} tokens | lm loss value: {loss:.6E} | "
-              f"lm loss PPL: {ppl(loss):.6E} | tp={grid.tp} pp={grid.pp} dp={grid.dp}", flush=True)
+              f"{cfg.seed}{', --sft' if ecfg.sft else ''}) | {batches} global batches of {gbs} x {seq_length} tokens "
+              f"| lm loss value: {loss:.6E} | lm loss PPL: {ppl(loss):.6E} | tp={grid.tp} pp={grid.pp} dp={grid.dp}",
+              flush=True)
         print(json.dumps(result), flush=True)
     return result
 

@@ -123,8 +123,9 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
         weights = normalize(weights)
         # a weighted blend is sized by its sample count: without one the split is not built
         bookends = [ends if n is not None else None for ends, n in zip(bookends, num_samples)]
-        if bookends[0] is None:
-            raise ValueError("a weighted blend needs num_samples for the train split")
+        if all(ends is None for ends in bookends):
+            raise ValueError("a weighted blend is sized by its sample counts: give num_samples for the splits "
+                             "to build")
         target = [[math.ceil(n * w) if n is not None else None for n in num_samples] for w in weights]
         buffered = [[int(math.ceil(t * (1 + mid_level_surplus))) if t is not None else None for t in row]
                     for row in target]
@@ -152,12 +153,15 @@ def build_datasets(run, seed: int, num_samples: Sequence[int | None], vocab_size
     """(train, valid, test) for a run's dataset type: ``run`` is a training RunConfig (read by
     name: data_path, split, seq_length, data_cache_path, sft, sft_pack).  GPT pretraining
     windows by default, SFT response-only windows with ``--sft`` (data/sft.py).  ``vocab_size``:
-    token ids must be below it (pretraining data; checked once per file)."""
+    token ids must be below it (checked once per file)."""
     if getattr(run, "sft", False):
         if len(run.data_path) != 1 or len(run.data_path[0].split()) != 1:
             raise DataError(f"--sft takes one --data-path prefix (an SFT dataset from `hf-megatron preprocess "
                             f"--sft`), got {run.data_path}; blends are not supported for SFT")
         bookends = _used_bookends(run.split, skip_splits)
+        if vocab_size is not None:
+            cache_dir = run.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(run.data_path[0])), "cache")
+            _open(run.data_path[0]).check_token_ids(vocab_size, cache_dir)
         return build_sft_datasets(run.data_path[0], bookends, run.seq_length, seed, num_samples,
                                   pack=getattr(run, "sft_pack", False))
     return build_gpt_datasets(run.data_path if len(run.data_path) > 1 else run.data_path[0], split=run.split,

@@ -443,6 +443,11 @@ class EvalConfig:
                                     help="tokens per sample (default: the checkpoint's training --seq-length, "
                                          "else the smaller of 1024 and the model's positions)")
     data_cache_path: str | None = same_as(RunConfig, "data_cache_path")
+    sft: bool = option(False, group="data",
+                       help="score an SFT dataset from `preprocess --sft` as `train --sft` does: response tokens only "
+                            "(default: on for a checkpoint trained with --sft)")
+    sft_pack: bool = option(False, group="data", help="with --sft: samples packed as `train --sft-pack` packs them "
+                                                      "(default: the checkpoint's training --sft-pack)")
     eval_iters: int | None = option(None, group="data", at_least=1,
                                     help="global batches to score, from the split's start as training's validation "
                                          "takes them (default: the checkpoint's training --eval-iters for the valid "
@@ -465,6 +470,8 @@ class EvalConfig:
         if bool(self.load) == bool(self.hf_model):
             raise ConfigError("EvalConfig: give exactly one of --load (a Megatron checkpoint) or --hf-model (an HF "
                               f"folder or Hub id), got load={self.load!r}, hf_model={self.hf_model!r}")
+        if self.sft_pack and not self.sft:
+            raise ConfigError("EvalConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
         from ..data.builder import split_bookends
         if self.split is not None and split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
             _fail(self, "split", f"a non-zero share for the {self.eval_split} split (--eval-split)", self.split)
@@ -476,6 +483,8 @@ class EvalConfig:
         fallback = {"split": RunConfig.__dataclass_fields__["split"].default, "seed": TrainingConfig.seed}
         values = {n: recorded.get(n) if recorded.get(n) is not None else fallback.get(n)
                   for n in names if getattr(self, n) is None}
+        if not self.sft and recorded.get("sft"):  # scored as the run scored it: response tokens only
+            values.update(sft=True, sft_pack=bool(recorded.get("sft_pack")))
         return dataclasses.replace(self, **values)
 
     def training_config(self) -> TrainingConfig:

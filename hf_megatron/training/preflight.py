@@ -40,7 +40,8 @@ def check_data(run: RunConfig) -> None:
                                 f"or more data")
 
 
-def check_model_fits(run: RunConfig, config: ModelConfig) -> None:
-    if config.position_embedding_type == "learned_absolute" and run.seq_length > config.max_position_embeddings:
-        raise ConfigError(f"--seq-length {run.seq_length}: expected at most the model's {config.max_position_embeddings} "
+def check_model_fits(seq_length: int, config: ModelConfig) -> None:
+    """`train` and `evaluate`: --seq-length within a learned-position model's positions."""
+    if config.position_embedding_type == "learned_absolute" and seq_length > config.max_position_embeddings:
+        raise ConfigError(f"--seq-length {seq_length}: expected at most the model's {config.max_position_embeddings} "
                           "positions (max_position_embeddings / n_positions of its config)")

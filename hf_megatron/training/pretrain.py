@@ -99,7 +99,7 @@ def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     start = plan_start(run)
     check_data(run)
     source, model_config = model_source(run, start)
-    check_model_fits(run, model_config)
+    check_model_fits(run.seq_length, model_config)
     device = init_distributed(run.distributed_backend)
     trainer.setup_parallel(cfg)
     grid = state.get_state()
@@ -201,6 +201,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         args = {"seq_length": run.seq_length, "consumed_train_samples": consumed, "global_batch_size": gbs,
                 "micro_batch_size": cfg.micro_batch_size, "split": run.split, "seed": cfg.seed,
                 "train_iters": cfg.train_iters, "eval_interval": run.eval_interval, "eval_iters": run.eval_iters,
+                "sft": run.sft, "sft_pack": run.sft_pack,
                 "tokenizer": tokenizer_files.tokenizer_entry(tokenizer, run.save)}
         if not dist.is_initialized() or dist.get_rank() == 0:
             tokenizer_files.copy_into_save(tokenizer, run.save)

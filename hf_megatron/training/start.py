@@ -87,7 +87,7 @@ def plan_start(run: RunConfig) -> Start:
     return Start("fresh")
 
 
-def _config_of_hf(source: str) -> ModelConfig:
+def config_of_hf(source: str) -> ModelConfig:
     from ..conversion.hf_io import HFCheckpoint
     return ModelConfig.from_hf(HFCheckpoint(source).config)
 
@@ -117,13 +117,13 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
     weights are the ones to train (a fresh run with --hf-model, or a fine-tune from an HF source),
     else a ModelConfig (weights then come from a Megatron checkpoint, or a Megatron-style init)."""
     if start.hf_source is not None:
-        return start.hf_source, _config_of_hf(start.hf_source)  # its own config.json gives the structure
+        return start.hf_source, config_of_hf(start.hf_source)  # its own config.json gives the structure
     if run.hf_config:
         config = _config_of_hf_config_file(run.hf_config)
     elif run.model_flags_given():
         config = _config_of_model_flags(run)
     elif run.hf_model:
-        config = _config_of_hf(run.hf_model)
+        config = config_of_hf(run.hf_model)
         if not start.weights_from_megatron:
             return run.hf_model, config
     elif start.megatron_dir is None:
