@@ -139,3 +139,25 @@ def test_from_pretrained_dtype_is_transformers_auto(drop_config_dtype, tmp_path)
     assert {p.dtype for p in hf_megatron.from_pretrained(src, dtype=torch.float32).parameters()} == {torch.float32}
     # a transformers model object keeps its own dtype
     assert {p.dtype for p in hf_megatron.from_pretrained(reference).parameters()} == {torch.bfloat16}
+
+
+def test_gpt2_without_attention_scaling_computes_transformers_logits(tmp_path, capsys):
+    """scale_attn_weights=false: scores are q.k, not q.k / sqrt(head_dim)."""
+    src = save_hf(tmp_path / "unscaled", "gpt2", scale_attn_weights=False)
+    reference = _reference_logits(src)
+    assert not torch.allclose(reference, _reference_logits(save_hf(tmp_path / "scaled", "gpt2")), atol=1e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_megatron.from_pretrained(src)(IDS).logits, reference, rtol=1e-5, atol=1e-5)
+    back = tmp_path / "back"
+    assert main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(tmp_path / "m"), "--tp", "2",
+                 "--verify"]) == 0
+    assert main(["convert", "megatron-to-hf", "--megatron", str(tmp_path / "m"), "--out", str(back), "--verify"]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    assert AutoModelForCausalLM.from_pretrained(back, local_files_only=True).config.scale_attn_weights is False
+    torch.testing.assert_close(_reference_logits(back), reference, rtol=0, atol=0)
+    # the other GPT-2 scaling switch stays refused, naming the file and the field
+    import json
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "scale_attn_by_inverse_layer_idx": True}))
+    _fails(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(tmp_path / "o")], capsys,
+           str(src / "config.json"), "scale_attn_by_inverse_layer_idx")

@@ -63,6 +63,8 @@ def _fields(data: dict[str, Any]) -> dict[str, Any]:
         attention_dropout=float(data.get("attn_pdrop", 0.0)),
         embedding_dropout=float(data.get("embd_pdrop", 0.0)),
         init_method_std=data.get("initializer_range", 0.02),
+        # scale_attn_weights=false: GPT2Attention's scaling is 1.0, not 1 / sqrt(head_dim)
+        softmax_scale=None if data.get("scale_attn_weights", True) else 1.0,
     )
 
 
