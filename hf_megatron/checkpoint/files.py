@@ -43,8 +43,29 @@ def optim_file_name(dp_rank: int) -> str:
     return f"optim_dp_{dp_rank:03d}.pt"
 
 
+def within(path: str | os.PathLike, root: str | os.PathLike, action: str = "read") -> Path:
+    """`path`, checked to stay inside `root` once symlinks are followed (a symlink within the folder
+    is fine): a folder handed to us must not make us read, copy or upload a file from elsewhere."""
+    path = Path(path)
+    target, root = path.resolve(), Path(root).resolve()
+    if not target.is_relative_to(root):
+        how = "leads to" if os.path.normpath(path.absolute()) == str(target) else "a symlink to"  # `..` or a link
+        raise CheckpointError(f"{path}: {how} {target}, outside {root}; refusing to {action} it")
+    return path
+
+
+def check_links_within(folder: str | os.PathLike, root: str | os.PathLike, action: str = "read") -> None:
+    """Every symlink under `folder` (the folder itself included) stays inside `root` (see `within`)."""
+    within(folder, root, action)
+    for parent, dirs, files in os.walk(folder):  # does not descend into linked folders: checked here
+        for name in dirs + files:
+            entry = Path(parent) / name
+            if entry.is_symlink():
+                within(entry, root, action)
+
+
 def read_tracker(root: Path) -> int | str:
-    tracker = root / TRACKER
+    tracker = within(root / TRACKER, root)
     text = tracker.read_text().strip()
     if text == "release":
         return text
@@ -69,6 +90,8 @@ def resolve_iteration_dir(path: str | os.PathLike, iteration: int | None = None)
         raise CheckpointError(f"{path}: not a Megatron checkpoint (no {TRACKER} and not an iter_* folder)")
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: iteration folder missing (tracker says {iteration})")
+    # the checkpoint root (the tracker's folder) bounds where the rank files may live
+    check_links_within(folder, folder.parent if (folder.parent / TRACKER).is_file() else folder)
     return folder, iteration
 
 
@@ -248,15 +271,12 @@ def copy_files_within(source: Path, out_dir: Path, names: Iterable[str], root: P
     """Copy those of `names` that are files in `source` to `out_dir`; returns the names copied.
     A file that is a symlink resolving outside `root` (default: `source` itself) is refused:
     a folder handed to us must not make us copy (or upload) a file from elsewhere."""
-    root = Path(root or source).resolve()
     copied = []
     for name in names:
         file = source / name
         if not file.is_file():
             continue
-        target = file.resolve()
-        if not target.is_relative_to(root):
-            raise CheckpointError(f"{file}: a symlink to {target}, outside {root}; refusing to copy it")
+        target = within(file, root or source, "copy").resolve()
         shutil.copyfile(target, out_dir / name)  # the content only: the new file's mode follows the umask
         copied.append(name)
     return copied

@@ -18,7 +18,7 @@ import torch
 
 from ..architectures import hf_to_mcore
 from ..checkpoint.args import tokenizer_args
-from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, write_text_atomic
+from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, within, write_text_atomic
 from ..checkpoint.load import open_megatron
 from ..checkpoint.names import layer_index
 from ..checkpoint.torch_dist import write_torch_dist
@@ -90,7 +90,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, p
     config = source_ckpt.model_config()
     source_ckpt.check(config)  # every tensor present at its shape, before anything is written
     target = parse_dtype(dtype)
-    generation = source_ckpt.path / "generation_config.json"
+    generation = source_ckpt.file("generation_config.json")
     args = {"hf_generation_config": json.loads(generation.read_text())} if generation.is_file() else {}
     # Megatron-LM's tokenizer args name the copy in <out>/tokenizer
     args["tokenizer"] = tokenizer_args(tokenizer_src, Path(out).absolute() / TOKENIZER_SUBDIR)
@@ -116,6 +116,12 @@ def _megatron_root(path: Path) -> Path:
     return path if (path / TRACKER).is_file() else path.parent
 
 
+def _megatron_tokenizer(src: str | os.PathLike) -> Path:
+    """`<root>/tokenizer` of a Megatron checkpoint, kept inside the checkpoint folder."""
+    root = _megatron_root(Path(src))
+    return within(root / TOKENIZER_SUBDIR, root)
+
+
 def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: str | None = None,
                    tokenizer: str | os.PathLike | None = None, max_shard_size: int | str = "5GB",
                    verify: bool = False, vocab_size: int | None = None) -> dict[str, Any]:
@@ -127,7 +133,7 @@ def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: s
                           f"{ckpt.config.vocab_size} (its args.hf_config); leave the flag out")
     target = parse_dtype(dtype)
     out_dtype = target or _stored_dtype(ckpt)
-    tokenizer_src = Path(tokenizer) if tokenizer else _megatron_root(Path(megatron)) / TOKENIZER_SUBDIR
+    tokenizer_src = Path(tokenizer) if tokenizer else _megatron_tokenizer(megatron)
     if tokenizer and not tokenizer_src.is_dir():
         raise CheckpointError(f"{tokenizer_src}: tokenizer folder not found (--tokenizer)")
     report: dict[str, Any] = {"out": str(out), "dtype": str(out_dtype).replace("torch.", "")}
@@ -192,7 +198,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
              if k not in ("args", "checkpoint_version", "iteration", "opt_param_scheduler")}
     keep = {k: getattr(ckpt.args, k) for k in ("hf_generation_config", "consumed_train_samples",
                                                  "consumed_valid_samples", "seq_length") if hasattr(ckpt.args, k)}
-    tokenizer_src = _megatron_root(Path(src)) / TOKENIZER_SUBDIR
+    tokenizer_src = _megatron_tokenizer(src)
     keep["tokenizer"] = tokenizer_args(tokenizer_src, Path(out).absolute() / TOKENIZER_SUBDIR)
     if keep["tokenizer"]["tokenizer_type"] == "NullTokenizer":  # no files to copy: what the source named
         keep["tokenizer"] = {k: getattr(ckpt.args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file",

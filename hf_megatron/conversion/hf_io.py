@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.files import within
 from ..checkpoint.unpickle import first_line
 from ..errors import CheckpointError  # re-exported
 
@@ -75,6 +76,7 @@ class HFCheckpoint:
         config_file = self.path / "config.json"
         if not config_file.is_file():
             raise CheckpointError(f"{config_file}: missing (not a save_pretrained folder)")
+        self.file(config_file.name)
         try:
             self.config = json.loads(config_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -85,18 +87,23 @@ class HFCheckpoint:
         self._bin_cache: dict[Path, dict] = {}
         self._index()
 
+    def file(self, name: str | os.PathLike) -> Path:
+        """`<folder>/name`, refused in one line where a symlink takes it out of the folder (a Hub cache
+        snapshot's links into its blobs are in)."""
+        return within(self.path / name, link_root(self.path))
+
     def _index(self) -> None:
         from safetensors import safe_open
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
-            self._where = {k: self.path / v for k, v in _weight_map(index).items()}
+            self._where = {k: self.path / v for k, v in _weight_map(self.file(index.name)).items()}
             for file in set(self._where.values()):
+                self.file(file.relative_to(self.path))
                 if not file.is_file():
                     raise CheckpointError(f"{file}: listed in {index.name} but missing")
-                if not file.resolve().is_relative_to(link_root(self.path).resolve()):
-                    raise CheckpointError(f"{file}: listed in {index.name} but outside the checkpoint folder")
         elif single.is_file():
+            self.file(single.name)
             try:
                 with safe_open(str(single), framework="pt") as f:
                     self._where = {k: single for k in f.keys()}
@@ -107,7 +114,7 @@ class HFCheckpoint:
             if not bins:
                 raise CheckpointError(f"{self.path}: no model.safetensors, safetensors index or pytorch_model.bin")
             for file in bins:
-                for k in self._load_bin(file):
+                for k in self._load_bin(self.file(file.name)):
                     self._where[k] = file
 
     def _load_bin(self, file: Path) -> dict:
