@@ -202,3 +202,8 @@ def test_sequence_and_vocabulary_beyond_the_model_are_one_line_before_building_i
     high = int(np.frombuffer(open(f"{prefix}.bin", "rb").read(), np.uint16).max())
     assert code == 2 and err == (f"hf-megatron evaluate: error: {prefix}.bin: token id {high} outside the model's "
                                  "vocabulary [0, 100) (tokenised with another tokenizer?)\n")
+    (tmp_path / "a_file").write_text("")
+    code, _, err = _evaluate_inprocess(capsys, "--hf-model", tmp_path / "small", "--data-path", prefix,
+                                       "--data-cache-path", tmp_path / "a_file" / "cache")
+    assert code == 2 and err == (f"hf-megatron evaluate: error: --data-cache-path {tmp_path / 'a_file' / 'cache'}: "
+                                 f"expected a folder, {tmp_path / 'a_file'} is a file\n")

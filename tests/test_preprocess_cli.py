@@ -188,3 +188,24 @@ def test_bad_inputs_give_one_line_errors(corpus, tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert needle in err[-1], err
     assert not [p for p in os.listdir(tmp_path) if p.startswith("o")]  # nothing half-written
+
+
+@pytest.mark.parametrize("case", ["repeated_key", "file_on_the_output_path"])
+def test_unusable_keys_and_output_paths_are_one_line_before_anything_is_written(corpus, tmp_path, capsys, case):
+    """--json-keys text text wrote the corpus twice into one file; an --output-prefix under a file was
+    a NotADirectoryError traceback."""
+    root, _ = corpus
+    source = root / "corpus.jsonl"
+    prefix, keys = tmp_path / "o", ["text"]
+    if case == "repeated_key":
+        keys = ["text", "text"]
+        expected = "--json-keys text text: expected each key once, got 'text' more than once"
+    else:
+        prefix = tmp_path / "corpus.jsonl" / "sub" / "o"
+        (tmp_path / "corpus.jsonl").write_text("")
+        expected = f"--output-prefix {prefix}: expected a folder path, {tmp_path / 'corpus.jsonl'} is a file"
+    argv = ["preprocess", "--input", str(source), "--output-prefix", str(prefix), "--json-keys", *keys,
+            "--no-progress", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == f"hf-megatron preprocess: error: {expected}\n"
+    assert sorted(os.listdir(tmp_path)) == (["corpus.jsonl"] if case != "repeated_key" else [])

@@ -129,6 +129,8 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
     from tiny import tiny_config
     tiny_config("gpt2").save_pretrained(tmp_path / "gpt2")  # learned positions
     n_positions = json.loads((tmp_path / "gpt2" / "config.json").read_text())["n_positions"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
     cases = [
         (["--hf-config", tmp_path / "gpt2", "--seq-length", n_positions + 1],
          f"--seq-length {n_positions + 1}: expected at most the model's {n_positions} positions"),
@@ -137,6 +139,10 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
          "the valid split of"),
         (["--data-path", workspace / "nope"], "nope"),
         (["--global-batch-size", 5], "global_batch_size (--global-batch-size): expected a multiple of"),
+        # were tracebacks: FileExistsError once the model was built, NotADirectoryError building the data
+        (["--tensorboard-dir", a_file], f"error: --tensorboard-dir {a_file}: expected a folder, {a_file} is a file"),
+        (["--data-cache-path", a_file / "cache"],
+         f"error: --data-cache-path {a_file / 'cache'}: expected a folder, {a_file} is a file"),
     ]
     for extra, expected in cases:
         started = time.perf_counter()

@@ -109,9 +109,10 @@ def evaluate(ecfg: EvalConfig) -> dict:
     from ..errors import ConfigError, DataError
     from ..parallel import state
     from ..training.monitor import logging_rank, ppl
-    from ..training.preflight import check_model_fits
+    from ..training.preflight import check_model_fits, check_output_folders
     from ..training.pretrain import _evaluate, init_distributed
 
+    check_output_folders(ecfg)
     recorded = recorded_args(ecfg.load)
     ecfg = ecfg.with_recorded(recorded)
     cfg = ecfg.training_config()

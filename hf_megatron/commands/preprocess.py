@@ -81,17 +81,22 @@ def _train_tokenizer(args) -> None:
 
 
 def run(args) -> int:
-    from hf_megatron.data.preprocess import PreprocessOptions, preprocess
+    import dataclasses
 
-    if args.train_tokenizer:
-        _train_tokenizer(args)
-    stats = preprocess(PreprocessOptions(
+    from hf_megatron.data.preprocess import PreprocessOptions, check_options, preprocess
+
+    options = PreprocessOptions(
         inputs=args.input, output_prefix=args.output_prefix, json_keys=args.json_keys,
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
         split=args.split, progress=not args.no_progress, sft=args.sft, hf_dataset=args.hf_dataset,
-        hf_subset=args.hf_subset, hf_split=args.hf_split, streaming=args.streaming))
+        hf_subset=args.hf_subset, hf_split=args.hf_split, streaming=args.streaming)
+    check_options(options)  # before a tokenizer is trained
+    if args.train_tokenizer:
+        _train_tokenizer(args)
+        options = dataclasses.replace(options, tokenizer_model=args.tokenizer_model)
+    stats = preprocess(options)
     for key, prefix in stats["outputs"].items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"{stats['documents']} documents, {stats['tokens']} tokens ({stats['dtype']}) in "

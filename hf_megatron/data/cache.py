@@ -15,7 +15,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import DataNotFoundError
+from ..errors import ConfigError, DataNotFoundError
 
 CACHE_FORMAT = 1
 
@@ -23,6 +23,24 @@ CACHE_FORMAT = 1
 def description_hash(description: dict) -> str:
     text = json.dumps(description, indent=2, sort_keys=True)
     return hashlib.md5(text.encode("utf-8")).hexdigest()
+
+
+def check_output_folder(flag: str, value: str | os.PathLike, folder: str | os.PathLike | None = None) -> None:
+    """`folder` (default: `value`, the flag's value) is where a command will create or write files
+    (--output-prefix's folder, --tensorboard-dir, --data-cache-path): a ConfigError naming the flag
+    and its value when a file stands on the way or it cannot be written, before any expensive work."""
+    path = os.path.abspath(value if folder is None else folder)
+    probe = path
+    while not os.path.exists(probe):  # the first part of the path that exists
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ConfigError(f"{flag} {value}: expected a folder{' path' if folder is not None else ''}, "
+                          f"{probe} is a file")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {value}: cannot write into {probe} (permission denied)")
 
 
 def _dist_rank() -> tuple[bool, int]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, DataError
+from .cache import check_output_folder
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
 from .sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
@@ -140,12 +141,23 @@ def _progress(options: PreprocessOptions, total_docs: int | None):
     return tqdm(total=total_docs, unit="docs", unit_scale=True, desc="preprocess", mininterval=0.5)
 
 
-def preprocess(options: PreprocessOptions) -> dict:
-    """Run the whole preprocessing; returns counts and the output prefixes."""
+def check_options(options: PreprocessOptions) -> None:
+    """What needs no tokenizer and no input read: one line each, before anything is written."""
     if not options.json_keys:
         raise ConfigError("--json-keys needs at least one key")
+    repeated = sorted({key for key in options.json_keys if options.json_keys.count(key) > 1})
+    if repeated:
+        raise ConfigError(f"--json-keys {' '.join(options.json_keys)}: expected each key once, got "
+                          f"{', '.join(map(repr, repeated))} more than once")
     if options.workers < 1 or options.partitions < 1:
         raise ConfigError("--workers and --partitions must be >= 1")
+    check_output_folder("--output-prefix", options.output_prefix,
+                        os.path.dirname(os.path.abspath(options.output_prefix)))
+
+
+def preprocess(options: PreprocessOptions) -> dict:
+    """Run the whole preprocessing; returns counts and the output prefixes."""
+    check_options(options)
     tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
     if options.sft:
         check_sft_keys(tokenizer, options.json_keys)

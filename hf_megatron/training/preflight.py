@@ -5,13 +5,15 @@ minutes a large model takes to load), on every rank alike, each failing with one
 * the splits the run reads (train; valid when --eval-interval is set) get at least one sample's
   worth of tokens from every prefix -- the test split is never read by `train`, so it is not checked
   (nor built);
-* --seq-length fits a model with learned absolute positions (rotary models extrapolate).
+* --seq-length fits a model with learned absolute positions (rotary models extrapolate);
+* --tensorboard-dir and --data-cache-path can be folders (no file on their path, writable).
 Batch divisibility is TrainingConfig.num_micro_batches', checked when the global batch is computed.
 """
 from __future__ import annotations
 
 from ..config import ModelConfig
 from ..data.builder import SPLITS, parse_blend, split_bookends
+from ..data.cache import check_output_folder
 from ..data.indexed import IndexedDataset
 from ..errors import ConfigError, DataError
 from .config import RunConfig
@@ -45,3 +47,11 @@ def check_model_fits(seq_length: int, config: ModelConfig) -> None:
     if config.position_embedding_type == "learned_absolute" and seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length}: expected at most the model's {config.max_position_embeddings} "
                           "positions (max_position_embeddings / n_positions of its config)")
+
+
+def check_output_folders(run) -> None:
+    """`train` and `evaluate`: the folders the run will write, before anything is built."""
+    for flag, value in (("--tensorboard-dir", getattr(run, "tensorboard_dir", None)),
+                        ("--data-cache-path", run.data_cache_path)):
+        if value:
+            check_output_folder(flag, value)

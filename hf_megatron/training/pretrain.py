@@ -89,8 +89,9 @@ def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
 
 def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     """Everything that can fail without a model, then the model: (cfg, start, source, device, gbs)."""
-    from .preflight import check_data, check_model_fits
+    from .preflight import check_data, check_model_fits, check_output_folders
     from .start import model_source, plan_start
+    check_output_folders(run)
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
