@@ -29,13 +29,16 @@ class FakeHfApi:
     def create_branch(self, repo_id, branch, exist_ok=False, repo_type=None):
         FakeHfApi.calls.append(("create_branch", repo_id, branch))
 
-    def upload_folder(self, repo_id, folder_path, revision=None, repo_type=None, commit_message=None):
+    def create_commit(self, repo_id, operations, commit_message=None, revision=None, repo_type=None):
         if FakeHfApi.fail_with:
             raise FakeHfApi.fail_with
-        from pathlib import Path
-        files = sorted(p.name for p in Path(folder_path).iterdir())
-        readme = (Path(folder_path) / "README.md").read_text()
-        FakeHfApi.calls.append(("upload_folder", repo_id, revision, files, readme))
+        contents = {}
+        for op in operations:  # what huggingface_hub would send: a file's bytes, or bytes from memory
+            source = op.path_or_fileobj
+            contents[op.path_in_repo] = open(source, "rb").read() if isinstance(source, str) else bytes(source)
+        FakeHfApi.calls.append(("create_commit", repo_id, revision, sorted(contents),
+                                contents.get("README.md", b"").decode()))
+        FakeHfApi.uploaded = contents
         return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc123")
 
 
@@ -100,3 +103,61 @@ def test_push_errors_are_one_line_without_token(hf_sources, tmp_path, fake_hub, 
     assert main(["push", "--hf", str(tmp_path / "meg"), "--repo-id", "my-org/x"]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert json.loads((folder / "hf_megatron_training.json").read_text())["iteration"] == 1200
+
+
+def _listing(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_push_leaves_the_folder_as_it_was(hf_sources, tmp_path, fake_hub, capsys):
+    folder = _trained_hf_folder(hf_sources, tmp_path)
+    before = _listing(folder)
+    fake_hub.fail_with = RuntimeError("503 Service Unavailable")
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/x"]) == 2
+    assert _listing(folder) == before  # no README.md left behind by a failed push
+    fake_hub.fail_with = None
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/x"]) == 0
+    assert _listing(folder) == before  # nor by a good one: the card goes from memory
+    uploaded = fake_hub.uploaded
+    assert {name: uploaded[name] for name in before} == before and set(uploaded) == set(before) | {"README.md"}
+    # a README of the user's own is uploaded as it is
+    (folder / "README.md").write_text("# my own card\n")
+    assert main(["push", "--hf", str(folder), "--repo-id", "my-org/x"]) == 0
+    assert fake_hub.uploaded["README.md"] == b"# my own card\n"
+
+
+def test_card_of_a_plain_conversion_says_converted(hf_sources, tmp_path, fake_hub, capsys):
+    hf_to_megatron(hf_sources["llama"], tmp_path / "meg")
+    megatron_to_hf(tmp_path / "meg", tmp_path / "hf")
+    assert main(["push", "--hf", str(tmp_path / "hf"), "--repo-id", "my-org/converted"]) == 0
+    readme = fake_hub.calls[-1][-1]
+    assert "converted to the `transformers` format by hf-megatron" in readme
+    assert "trained with" not in readme and "| iterations |" not in readme
+    assert "https://github.com/)" not in readme  # no placeholder link
+
+
+def test_bad_weights_are_refused_before_anything_is_uploaded(hf_sources, tmp_path, fake_hub, capsys):
+    hf_to_megatron(hf_sources["llama"], tmp_path / "meg")
+    megatron_to_hf(tmp_path / "meg", tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((tmp_path / "sharded/model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    truncated = tmp_path / "sharded" / shards[1]
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert main(["push", "--hf", str(tmp_path / "sharded"), "--repo-id", "my-org/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(truncated) in err and len(err.splitlines()) == 1
+    truncated.unlink()  # a shard the index lists, missing
+    assert main(["push", "--hf", str(tmp_path / "sharded"), "--repo-id", "my-org/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(truncated) in err and "missing" in err and len(err.splitlines()) == 1
+    # a file linked from outside the folder would upload what the folder does not hold
+    megatron_to_hf(tmp_path / "meg", tmp_path / "single")
+    (tmp_path / "secret.txt").write_text("not for the Hub")
+    (tmp_path / "single/notes.txt").symlink_to(tmp_path / "secret.txt")
+    assert main(["push", "--hf", str(tmp_path / "single"), "--repo-id", "my-org/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "notes.txt: a symlink to" in err and "outside" in err
+    assert not [call for call in fake_hub.calls if call[0] != "init"]  # no repo created, nothing sent

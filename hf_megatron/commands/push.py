@@ -2,9 +2,12 @@
 
     hf-megatron push --hf hf_out/ --repo-id my-org/my-model --private --revision v1
 
-The token is read from HF_TOKEN or the `hf auth login` file and never printed.  README.md
-(the model card: architecture, iterations, tokens, final loss, parallel layout, hf_megatron
-version) is generated unless the folder already has a README of your own.
+The token is read from HF_TOKEN or the `hf auth login` file and never printed.  The folder is
+checked first (config.json, complete weights files, every shard its index lists, no symlink out
+of the folder; a bad one is one line and nothing is uploaded) and never written to.  README.md
+(the model card: architecture, hf_megatron version, and iterations, tokens, final loss, parallel
+layout when it was trained -- or that it was converted) is generated and uploaded from memory,
+unless the folder already has a README of your own.
 """
 from __future__ import annotations
 

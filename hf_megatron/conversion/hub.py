@@ -2,12 +2,17 @@
 
     push("hf_out/", "my-org/my-model", private=True, revision="v1")
 
-Uses huggingface_hub's `create_repo` (+ `create_branch` for a revision) and `upload_folder`.
+Uses huggingface_hub's `create_repo` (+ `create_branch` for a revision) and one `create_commit`
+of the folder's files (hidden ones left out) plus the model card.  The folder is checked first as
+`convert hf-to-megatron` checks it (config.json, every weights file readable and complete, every
+shard the index lists present, every file inside the folder once symlinks are followed; for a
+supported family also every tensor's shape): a bad folder is one line and nothing is uploaded.
 The token comes from the standard places (HF_TOKEN, or the file `hf auth login` writes) and is
-never printed.  The model card (README.md, written into the folder unless the user already
-has their own there) reports the architecture and sizes from config.json, and the training
-facts megatron-to-hf stored in `hf_megatron_training.json`: iterations, tokens, final loss and
-the parallel layout it was trained with.
+never printed.  The model card (README.md, uploaded from memory -- the folder is left as it was
+-- unless the user has a README of their own there) reports the architecture and sizes from
+config.json, and the facts megatron-to-hf stored in `hf_megatron_training.json`: iterations,
+tokens, final loss and the parallel layout it was trained with -- or that it was converted
+(a release checkpoint, no training iterations).
 """
 from __future__ import annotations
 
@@ -77,13 +82,30 @@ def model_card(folder: str | os.PathLike, repo_id: str) -> str:
                  if info.get("virtual_pipeline_model_parallel_size") else ""))
     data = ModelCardData(library_name="transformers", pipeline_tag="text-generation",
                          tags=["hf-megatron", "megatron", str(config.get("model_type"))])
+    trained = isinstance(info.get("iteration"), int) and info["iteration"] > 0
+    if trained:
+        origin = ("trained with hf-megatron (Megatron-style tensor / pipeline / data parallelism for Hugging Face "
+                  "models) and converted back to the `transformers` format.")
+    elif info:
+        origin = ("converted to the `transformers` format by hf-megatron from a Megatron checkpoint that records "
+                  "no training iterations (a converted release checkpoint).")
+    else:
+        origin = "uploaded with hf-megatron."
+    training = f"""
+## Training
+
+| field | value |
+| --- | --- |
+| iterations | {_fmt(info.get('iteration'))} |
+| training tokens | {_fmt(tokens)} |
+| final loss | {_fmt(info.get('final_loss'))} |
+| parallel layout | {layout} |
+""" if trained else ""
     body = f"""
 {CARD_MARKER}
 # {repo_id.split('/')[-1]}
 
-A `{arch}` causal language model trained with [hf-megatron](https://github.com/) (Megatron-style
-tensor / pipeline / data parallelism for Hugging Face models) and converted back to the
-`transformers` format.
+A `{arch}` causal language model {origin}
 
 ## Architecture
 
@@ -97,17 +119,8 @@ tensor / pipeline / data parallelism for Hugging Face models) and converted back
 | vocabulary | {config.get('vocab_size')} |
 | context length | {config.get('max_position_embeddings', config.get('n_positions'))} |
 | weights dtype | {config.get('dtype', config.get('torch_dtype'))} |
-
-## Training
-
-| field | value |
-| --- | --- |
-| iterations | {_fmt(info.get('iteration'))} |
-| training tokens | {_fmt(tokens)} |
-| final loss | {_fmt(info.get('final_loss'))} |
-| parallel layout | {layout} |
 | hf_megatron version | {__version__} |
-
+{training}
 ## Use
 
 ```python
@@ -119,30 +132,66 @@ tokenizer = AutoTokenizer.from_pretrained("{repo_id}")
     return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n" + body))
 
 
-def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
-         api: HfApi | None = None) -> str:
-    """Create the repo (if needed) and upload the folder with its model card; returns the commit URL."""
-    folder = Path(folder)
+def check_folder(folder: Path) -> list[Path]:
+    """The files to upload (hidden ones left out), once the folder passed the checks of the module
+    docstring; a CheckpointError (one line) otherwise."""
+    from ..architectures import SUPPORTED
+    from ..checkpoint.files import within
+    from .hf_io import HFCheckpoint
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: no config.json (push expects a folder written by megatron-to-hf "
                               f"or save_pretrained)")
     if not any(folder.glob("*.safetensors")):
         raise CheckpointError(f"{folder}: no *.safetensors weights to push")
+    checkpoint = HFCheckpoint(folder)  # index, shards and single file present, headers complete
+    checkpoint.stored()
+    if checkpoint.config.get("model_type") in SUPPORTED:
+        checkpoint.check(checkpoint.model_config())
+    files = sorted(path for path in folder.rglob("*")
+                   if not any(part.startswith(".") for part in path.relative_to(folder).parts) and path.is_file())
+    for path in files:
+        within(path, folder, "upload")
+    for path in files:
+        if path.suffix == ".safetensors":  # also files the index does not list: complete, or not sent
+            _complete_safetensors(path)
+    return files
+
+
+def _complete_safetensors(path: Path) -> None:
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({str(exc).splitlines()[0]})") from None
+
+
+def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
+         api: HfApi | None = None) -> str:
+    """Create the repo (if needed) and upload the folder with its model card in one commit; returns
+    the commit URL.  Nothing is written into `folder`."""
+    from huggingface_hub import CommitOperationAdd
+    folder = Path(folder)
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ConfigError(f"--repo-id must look like ORG/NAME, got {repo_id!r}")
+    files = check_folder(folder)
     token = get_token()
     if token is None:
         raise ConfigError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
     readme = folder / "README.md"
-    if not readme.is_file() or CARD_MARKER in readme.read_text():
-        readme.write_text(model_card(folder, repo_id))
+    own_card = readme.is_file() and CARD_MARKER not in readme.read_text()
+    operations = [CommitOperationAdd(path_in_repo=path.relative_to(folder).as_posix(), path_or_fileobj=str(path))
+                  for path in files if own_card or path != readme]
+    if not own_card:
+        operations.append(CommitOperationAdd(path_in_repo="README.md",
+                                             path_or_fileobj=model_card(folder, repo_id).encode()))
     api = api or HfApi(token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision, repo_type="model",
-                                   commit_message="Upload model converted with hf-megatron")
+        commit = api.create_commit(repo_id, operations, commit_message="Upload model with hf-megatron",
+                                   revision=revision, repo_type="model")
     except Exception as exc:  # one line, and never the token
         text = str(exc).replace(token, "***").strip()
         raise CheckpointError(f"push to {repo_id} failed ({type(exc).__name__}: {text.splitlines()[0] if text else ''})") from None
