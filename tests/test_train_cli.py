@@ -165,3 +165,27 @@ def test_a_second_writer_of_a_save_folder_gets_a_clear_error(workspace):
     (folder / LOCK_FILE).write_text("pid 999999999 on a-dead-host")  # left by a killed run: no flock held
     code, _, err = _train(workspace, folder, 1)
     assert code == 0, err
+
+
+def test_a_load_of_another_model_shape_names_the_tensor_and_leaves_no_save_folder(workspace, tmp_path):
+    """The message named no tensor (torch's first line); the failed run and a run with nothing to train
+    left <save>/ holding only .hf_megatron.lock."""
+    from tiny import tiny_config
+    config = tiny_config("llama")
+    tiny_config("llama", intermediate_size=96).save_pretrained(tmp_path / "narrow")
+    source = tmp_path / "source"
+    assert _train(workspace, source, 2)[0] == 0
+    save = tmp_path / "new" / "run"
+    line = _error(cli_inprocess(*base_args(workspace, 4, "--hf-config", tmp_path / "narrow", "--load", source,
+                                           "--save", save, config=False)))
+    # SwiGLU fc1 holds gate and up: 2 x intermediate rows of hidden columns
+    assert (f"{source}/iter_0000002/mp_rank_00/model_optim_rng.pt: does not fit the model ('model'): "
+            f"decoder.layers.0.mlp.linear_fc1.weight is [{2 * config.intermediate_size}, {config.hidden_size}] in the "
+            f"checkpoint, [{2 * 96}, {config.hidden_size}] in the model (and 3 more tensors)") in line
+    assert not (tmp_path / "new").exists()
+    code, out, err = cli_inprocess(*base_args(workspace, 2, "--load", source, "--save", save))
+    assert code == 0 and "nothing to train" in out, err
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder the user made stays, empty
+    code, _, err = cli_inprocess(*base_args(workspace, 2, "--load", source, "--save", tmp_path / "kept"))
+    assert code == 0 and list((tmp_path / "kept").iterdir()) == []

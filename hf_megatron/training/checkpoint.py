@@ -206,6 +206,20 @@ def restore_scheduler(scheduler, saved: dict, path: Path, policy: str = "check")
         raise CheckpointError(f"{path}: {exc}") from None
 
 
+def _check_shapes(weights: dict, chunk, path, key: str) -> None:
+    """A checkpoint of a differently shaped model: one line naming the first tensor that differs,
+    its shape in the checkpoint and in the model (this rank's shard of each)."""
+    own = chunk.state_dict()
+    wrong = [(name, tuple(value.shape), tuple(own[name].shape)) for name, value in weights.items()
+             if isinstance(value, torch.Tensor) and isinstance(own.get(name), torch.Tensor)
+             and value.shape != own[name].shape]
+    if wrong:
+        name, theirs, ours = wrong[0]
+        more = f" (and {len(wrong) - 1} more tensors)" if len(wrong) > 1 else ""
+        raise CheckpointError(f"{path}: does not fit the model ({key!r}): {name} is {list(theirs)} in the "
+                              f"checkpoint, {list(ours)} in the model{more}; saved from another model config?")
+
+
 def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, scheduler=None,
                     iteration: int | None = None, load_rng: bool = True, strict: bool = True,
                     scheduler_policy: str = "load", info: dict | None = None) -> int:
@@ -229,9 +243,11 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
                                   f"saved with a different number of virtual pipeline chunks?")
         # megatron-core's modules save an `_extra_state` entry (TE / fp8 metadata; None for the local spec)
-        weights = {k: v for k, v in payload[key].items() if not str(k).endswith("._extra_state")}
+        weights = to_stage_global({k: v for k, v in payload[key].items() if not str(k).endswith("._extra_state")},
+                                  chunk.layer_numbers)
+        _check_shapes(weights, chunk, path, key)
         try:
-            result = chunk.load_state_dict(to_stage_global(weights, chunk.layer_numbers), strict=False)
+            result = chunk.load_state_dict(weights, strict=False)
         except (RuntimeError, TypeError) as exc:  # shapes or entries that are not tensors
             raise CheckpointError(f"{path}: {key} does not fit the model ({str(exc).strip().splitlines()[0]})") from None
         if strict and (result.missing_keys or result.unexpected_keys):

@@ -4,7 +4,9 @@ Two runs writing one folder would interleave their checkpoints and trackers.  Th
 advisory exclusive flock on a small file in the folder; the kernel drops it when its holder
 exits however it exits (SIGKILL included), so a lock left by a dead process is simply taken
 over -- the file's text (pid, host) only serves the error message of a second writer.  The
-file is never deleted: unlinking it could let a waiting run lock a fresh inode beside it.
+file is kept while the folder holds anything else: unlinking it could let a starting run lock a
+fresh inode beside it.  A run that stops having written nothing (an error, nothing to train) leaves
+no trace: the lock file it created goes, and the folder too when the run created it.
 Under torch.distributed only global rank 0 takes the lock; every rank gets the verdict.
 """
 from __future__ import annotations
@@ -23,15 +25,19 @@ LOCK_FILE = ".hf_megatron.lock"
 class SaveLock:
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder, self.path, self._fd = Path(folder), Path(folder) / LOCK_FILE, None
+        self._created: list[Path] = []  # what _try made: the lock file, then the folder(s) it needed
 
     def _try(self) -> str | None:
         """Take the lock; the reason it is not free, or None."""
         import fcntl
         if self.folder.exists() and not self.folder.is_dir():
             return f"--save {self.folder}: expected a folder, found a file"
+        missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+        existed = self.path.exists()
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._created = ([] if existed else [self.path]) + missing
         except OSError as exc:
             return f"--save {self.folder}: cannot create the lock file ({exc.strerror})"
         try:
@@ -55,7 +61,22 @@ class SaveLock:
             raise CheckpointError(verdict[0])
         return self
 
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
+    def release(self, remove_if_unused: bool = False) -> None:
+        """Drop the lock; `remove_if_unused`: also remove the lock file and the folders this lock made
+        for it when nothing else was written there (a run that failed or had nothing to train)."""
+        if self._fd is None:
+            return
+        if remove_if_unused and self._created and self._created[0] == self.path and self._only_the_lock():
+            for made in self._created:  # still holding the flock: the lock file, then the folders made for it
+                try:
+                    made.unlink() if made == self.path else made.rmdir()
+                except OSError:
+                    break
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+    def _only_the_lock(self) -> bool:
+        try:
+            return [p.name for p in self.folder.iterdir()] == [LOCK_FILE]
+        except OSError:
+            return False

@@ -125,7 +125,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     finally:
         exits.restore()
         if lock:
-            lock.release()
+            lock.release(remove_if_unused=True)  # a run that wrote nothing leaves no <save> folder behind
 
 
 def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dict[str, Any]:
