@@ -10,6 +10,13 @@ any size, the short last batch of an epoch) is padded with copies of the first s
 targets are all -100: they add nothing to the loss sum, the token count or the gradients, so
 the result is that of the real samples alone.  `multiple_of` pads whole micro batches the same
 way (the interleaved schedule needs a multiple of the pipeline size).
+
+Sequence parallelism cuts the sequence into tp equal slices, so a length s that is not a multiple
+of tp (dynamic padding: any s) is padded at the end to s' = ceil(s / tp) * tp: targets -100,
+attention_mask 0 where the batch has one, position_ids (given or 0..s-1) repeating the last real
+position (no longer position table, no other RoPE scaling branch), token 0.  Causal attention never
+lets a real position see a later one, so the loss, its token count and the gradients are those
+of the unpadded batch; logits of the padded positions are dropped by the caller.
 """
 from __future__ import annotations
 
@@ -45,13 +52,35 @@ def check_batch(batch: dict) -> dict[str, torch.Tensor]:
     return {k: v for k, v in batch.items() if v is not None}
 
 
-def micro_batches(batch: dict, micro_batch_size: int, multiple_of: int = 1) -> list[dict[str, torch.Tensor]]:
+def _pad_sequence(parts: dict[str, torch.Tensor], seq_multiple: int) -> dict[str, torch.Tensor]:
+    """Pad the sequence dimension to a multiple of `seq_multiple` (module docstring)."""
+    size, seq = parts["input_ids"].shape
+    pad = -seq % seq_multiple
+    if not pad:
+        return parts
+    if "position_ids" not in parts:
+        parts["position_ids"] = torch.arange(seq, device=parts["input_ids"].device).expand(size, seq)
+    fill = {"input_ids": 0, "targets": IGNORE, "attention_mask": 0}
+    out = {}
+    for key, value in parts.items():
+        if key == "position_ids":
+            filler = value[:, -1:].expand(size, pad)
+        else:
+            filler = value.new_full((size, pad), fill[key])
+        out[key] = torch.cat([value, filler], dim=1)
+    return out
+
+
+def micro_batches(batch: dict, micro_batch_size: int, multiple_of: int = 1,
+                  seq_multiple: int = 1) -> list[dict[str, torch.Tensor]]:
     batch = check_batch(batch)
     size, seq = batch["input_ids"].shape
     parts = {"input_ids": batch["input_ids"], "targets": _targets(batch)}
     for key in ("attention_mask", "position_ids"):
         if key in batch:
             parts[key] = batch[key].expand(size, seq)
+    parts = _pad_sequence(parts, seq_multiple)
+    seq = parts["input_ids"].shape[1]
     count = math.ceil(size / micro_batch_size)
     count = math.ceil(count / multiple_of) * multiple_of
     pad = count * micro_batch_size - size

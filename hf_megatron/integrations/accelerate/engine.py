@@ -84,10 +84,13 @@ class MegatronEngine(nn.Module):
         device = next(self.chunks[0].parameters()).device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         size = batch["input_ids"].shape[0]
+        # sequence parallelism cuts the sequence into tp slices: pad any length to a multiple (batches.py)
+        seq_multiple = state.get_state().tp if self.cfg.sequence_parallel else 1
         if whole:
-            return micro_batches(batch, size)
+            return micro_batches(batch, size, seq_multiple=seq_multiple)
         interleaved = len(self.chunks) > 1  # the interleaved schedule wants a multiple of pp micro batches
-        return micro_batches(batch, self._micro_batch_size(size), state.get_state().pp if interleaved else 1)
+        return micro_batches(batch, self._micro_batch_size(size), state.get_state().pp if interleaved else 1,
+                             seq_multiple=seq_multiple)
 
     # ------------------------------------------------------------------ forward
     def forward(self, **batch):
@@ -135,7 +138,7 @@ class MegatronEngine(nn.Module):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(totals, group=group)
             loss = (totals[0] / totals[1].clamp(min=1)).float()
-            return _output(loss, logits)
+            return _output(loss, logits[:, :batch["input_ids"].shape[1]])  # without sequence padding
         micro = self._split(batch)
         loss = trainer.evaluate(list(self.chunks), micro)
         return _output(torch.tensor(loss, device=micro[0]["targets"].device))

@@ -3,7 +3,9 @@
 A torch optimizer built over the transformers model holds groups of *its* parameters
 (`{"params": [...], "weight_decay": 0.0}`, ...).  Each chunk parameter is made of one or more
 transformers parameters (the architecture's mapping table: q/k/v -> linear_qkv, gate/up ->
-linear_fc1, ...); it joins the group they belong to.  Per-group options kept: weight_decay,
+linear_fc1, ...); it joins the group they belong to.  An optimizer built over the *prepared* model
+(`model = accelerator.prepare(model); AdamW(model.parameters())`) holds the chunk parameters
+themselves; each joins its own group.  Per-group options kept: weight_decay,
 betas, eps, and lr as a multiplier of the optimizer's base lr (`lr_mult`, which the LR
 schedules scale; `user_group` says which user group it came from).  A chunk parameter whose sources sit in different groups, or in none, is
 refused in one line.
@@ -54,9 +56,13 @@ def chunk_param_groups(optimizer: torch.optim.Optimizer, hf_refs: dict[str, "wea
             if id(param) in seen:
                 continue
             seen.add(id(param))
+            if id(param) in group_of:  # an optimizer over the prepared model's own parameters
+                members.setdefault(group_of[id(param)], []).append(param)
+                continue
             groups = {hf_group.get(source) for source in sources[name]}
             if None in groups:
-                raise ConfigError(f"accelerator.prepare(optimizer): {', '.join(sources[name])} not in the optimizer's "
+                missing = name if not hf_group else ", ".join(sources[name])  # prepared-model names / transformers'
+                raise ConfigError(f"accelerator.prepare(optimizer): {missing} not in the optimizer's "
                                   f"parameter groups; give the optimizer every model parameter")
             if len(groups) > 1:
                 raise ConfigError(f"accelerator.prepare(optimizer): {', '.join(sources[name])} are fused into one "
