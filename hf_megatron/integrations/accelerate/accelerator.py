@@ -78,6 +78,10 @@ class Accelerator(accelerate.Accelerator):
         # accelerate would insist on NVIDIA's megatron package: initialise as plain multi-process
         with _env(ENV_FLAG, "false"):
             super().__init__(*args, **kwargs)
+        if self.state.device.type == "cpu":
+            # plain accelerate's CPU device is `cpu`, what CPU tensors report (its multi-process CPU state
+            # names `cpu:0`, which compares unequal to every tensor's .device)
+            self.state.device = accelerate.state.PartialState._shared_state["device"] = torch.device("cpu")
         self.megatron_config = training_config_from_plugin(plugin, self.mixed_precision)
         # accelerate's dynamo plugin (--dynamo_backend, Accelerator(dynamo_backend=...)): accelerate compiles the
         # prepared model with it; here its torch.compile keywords go to our regional compile of each layer
@@ -244,13 +248,21 @@ class Accelerator(accelerate.Accelerator):
         return None  # as accelerate's Megatron-LM path: the engine has run backward and the step
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Under Megatron-LM the engine clips inside `model(**batch)` (at megatron_lm_gradient_clipping);
+        this returns that update's total gradient norm before clipping, as torch's clip_grad_norm_
+        does (as accelerate's DeepSpeed path, which also clips inside its engine: the last update's
+        norm; None before the first; inf for an update skipped for a non-finite gradient)."""
         if not self.megatron:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if float(max_norm) != float(self.megatron_config.clip_grad):
             raise ConfigError(f"accelerator.clip_grad_norm_(max_norm={max_norm}): under Megatron-LM the engine clips "
                               f"inside model(**batch) at megatron_lm_gradient_clipping="
                               f"{self.megatron_config.clip_grad}; set that instead")
-        return None  # done inside the step, at the same norm
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"accelerator.clip_grad_norm_(norm_type={norm_type}): under Megatron-LM the engine clips "
+                              f"by the L2 norm (norm_type=2)")
+        norm = self._need_engine("clip_grad_norm_").grad_norm
+        return None if norm is None else torch.tensor(norm, dtype=torch.float32, device=self.device)
 
     def _main_rank(self) -> int:
         return self.num_processes - 1  # accelerate's Megatron-LM main process: the last rank

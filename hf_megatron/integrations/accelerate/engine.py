@@ -60,6 +60,7 @@ class MegatronEngine(nn.Module):
         self.iteration = 0             # optimizer updates taken
         self.consumed_train_samples = 0
         self.skipped_iter = False
+        self.grad_norm = None          # total grad norm (before clipping) of the last update, or None
         self._accumulated = 0          # batches back-propagated since the last update
 
     @property
@@ -115,6 +116,7 @@ class MegatronEngine(nn.Module):
         if sync:
             self.iteration += 1
             self.skipped_iter = stats["skipped"]
+            self.grad_norm = float("inf") if stats["skipped"] else stats["grad_norm"]
             if not stats["skipped"] and self.user_scheduler is not None:
                 self._follow_user_scheduler()
         return _output(torch.tensor(stats["loss"], device=micro[0]["targets"].device))

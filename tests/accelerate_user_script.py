@@ -1,0 +1,92 @@
+"""A plain accelerate training script (tests/test_accelerate_user.py runs it twice: under
+`accelerate launch` with a Megatron-LM config, and as `python` with plain accelerate).
+
+    python accelerate_user_script.py OUT.pt --batch_size B [--arch gpt2]
+
+Dynamic padding (each batch padded to its longest sample, attention_mask 0 and labels -100 on
+the padding: lengths that are not a multiple of the tensor-parallel size), the loss and
+`accelerator.clip_grad_norm_`'s norm of each step, eval loss and logits, `accelerator.device`;
+trained twice from the same weights: the usual `prepare(model, optimizer, ...)` and the optimizer
+built on the prepared model's parameters (`model = prepare(model); AdamW(model.parameters())`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny import tiny_hf_model  # noqa: E402
+
+from hf_megatron import Accelerator  # noqa: E402  (the one changed import)
+
+LENGTHS = [15, 9, 13, 11, 7, 13, 12, 10, 14, 9, 11, 15, 11, 14, 8, 15]  # batches of 4: longest 15, 13, 15, 15
+STEPS = 3
+
+
+def samples(vocab: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(1, vocab, (n,), generator=generator) for n in LENGTHS]
+
+
+def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' DataCollatorWithPadding + labels: pad to the longest in the batch."""
+    seq = max(len(x) for x in batch)
+    ids = torch.zeros(len(batch), seq, dtype=torch.long)
+    mask = torch.zeros(len(batch), seq, dtype=torch.long)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)], mask[i, : len(x)] = x, 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool) -> dict:
+    model = tiny_hf_model(arch)
+    loader = DataLoader(samples(model.config.vocab_size), batch_size=batch_size, collate_fn=collate)
+    if optimizer_after_model:
+        model = accelerator.prepare(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model.train()
+    losses, norms, batches = [], [], iter(loader)
+    for _ in range(STEPS):
+        batch = next(batches)
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    model.eval()
+    plugin = getattr(accelerator.state, "megatron_lm_plugin", None)
+    if plugin is not None:
+        plugin.return_logits = True
+    batch = next(batches)
+    with torch.no_grad():
+        out = model(**batch)
+    return {"losses": losses, "norms": norms, "eval_loss": out.loss.item(), "logits": out.logits.cpu(),
+            "mask": batch["attention_mask"].cpu()}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--batch_size", type=int, required=True)
+    parser.add_argument("--arch", default="gpt2")
+    args = parser.parse_args()
+    accelerator = Accelerator()
+    result = {"device": str(accelerator.device), "distributed_type": str(accelerator.distributed_type),
+              "usual": train(accelerator, args.arch, args.batch_size, optimizer_after_model=False)}
+    accelerator.free_memory()
+    result["optimizer_after_model"] = train(accelerator, args.arch, args.batch_size, optimizer_after_model=True)
+    if accelerator.is_main_process:
+        torch.save(result, args.out)
+
+
+if __name__ == "__main__":
+    main()

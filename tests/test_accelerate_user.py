@@ -1,0 +1,68 @@
+"""A new user's accelerate script (tests/accelerate_user_script.py) under `accelerate launch` with a
+Megatron-LM config (tp2, sequence parallel, 2 micro batches) against the same script under plain
+accelerate (one process, the same global batches):
+
+* dynamic padding: batch lengths 15 and 13 (not multiples of tp) train and evaluate, with the
+  losses, `accelerator.clip_grad_norm_`'s norms (before clipping), eval loss and logits of plain
+  accelerate;
+* an optimizer built on the prepared model's parameters trains as the usual order does;
+* `accelerator.device` is `cpu`, as plain accelerate's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from accelerate_config import write_megatron_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).with_name("accelerate_user_script.py")
+MICRO, NUM_MICRO = 2, 2
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "MEGATRON_LM_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return env
+
+
+def _launch(folder: Path, world: int, tp: int, *args: str) -> subprocess.CompletedProcess:
+    config = write_megatron_config(folder / f"tp{tp}_world{world}.yaml", world, tp, 1, NUM_MICRO, tp > 1)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--config_file", str(config), str(SCRIPT), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=folder)
+
+
+def _plain(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300,
+                          env=_env(), cwd=folder)
+
+
+def _close(ours: list[float], theirs: list[float], tol: float = 1e-5) -> bool:
+    return len(ours) == len(theirs) and all(abs(a - b) <= tol * abs(b) for a, b in zip(ours, theirs))
+
+
+def test_dynamic_padding_norms_and_optimizer_order_match_plain_accelerate(tmp_path):
+    megatron = _launch(tmp_path, 2, 2, str(tmp_path / "megatron.pt"), "--batch_size", str(MICRO))
+    assert megatron.returncode == 0, (megatron.stdout + megatron.stderr)[-6000:]
+    plain = _plain(tmp_path, str(tmp_path / "plain.pt"), "--batch_size", str(MICRO * NUM_MICRO))
+    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-6000:]
+    ours, theirs = torch.load(tmp_path / "megatron.pt"), torch.load(tmp_path / "plain.pt")
+    assert ours["distributed_type"] == "DistributedType.MEGATRON_LM" and theirs["distributed_type"] == "DistributedType.NO"
+    assert ours["device"] == theirs["device"] == "cpu"
+    for order in ("usual", "optimizer_after_model"):
+        a, b = ours[order], theirs[order]
+        assert _close(a["losses"], b["losses"]), (order, a["losses"], b["losses"])
+        assert _close(a["norms"], b["norms"]), (order, a["norms"], b["norms"])
+        assert min(a["norms"]) > 1.0  # the norm before clipping (max_norm 1.0), as torch returns it
+        assert _close([a["eval_loss"]], [b["eval_loss"]]), (order, a["eval_loss"], b["eval_loss"])
+        assert a["logits"].shape == b["logits"].shape == (4, 15, 300)  # sequence padding stripped
+        real = b["mask"].bool()  # the collator's padding is unscored; transformers' logits there are its own
+        error = (a["logits"][real] - b["logits"][real]).norm() / b["logits"][real].norm()
+        assert error <= 1e-5, (order, error)
+    assert ours["usual"]["losses"] == ours["optimizer_after_model"]["losses"]
