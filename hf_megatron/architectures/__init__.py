@@ -68,6 +68,8 @@ def config_fields(data: dict[str, Any]) -> dict[str, Any]:
         return arch.adapter(data)
     except KeyError as exc:
         raise ConfigError(f"field {exc.args[0]!r} missing ({arch.model_type} needs it; no default is assumed)") from None
+    except ConfigError:  # a value the adapter names as unsupported: its own message, not "wrong type"
+        raise
     except (TypeError, ValueError, AttributeError) as exc:  # a field of the wrong kind (a list for a number, ...)
         raise ConfigError(f"a field has the wrong type for {arch.model_type} ({type(exc).__name__}: {exc})") from None
 

@@ -223,7 +223,9 @@ class StagingDir:
     def __init__(self, final: str | os.PathLike, allow_existing: bool = False, shared: bool = False,
                  create: bool = True):
         self.final = Path(final)
-        if self.final.exists() and not allow_existing and (not self.final.is_dir() or any(self.final.iterdir())):
+        if self.final.exists() and not self.final.is_dir():
+            raise CheckpointError(f"{self.final}: is a file, not a folder; the output must be a new or empty folder")
+        if self.final.exists() and not allow_existing and any(self.final.iterdir()):
             raise CheckpointError(f"{self.final}: output folder exists and is not empty; remove it or pick another")
         try:
             self._make(shared, create)

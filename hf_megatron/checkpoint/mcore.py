@@ -53,15 +53,7 @@ class MegatronCheckpoint(CheckpointReader):
         first_file = folder / rank_dir_name(0, 0, self.pp) / MODEL_FILE
         self.checkpoint_version = checkpoint_version(first.get("checkpoint_version"), first_file)
         self.info = info_entries(first)
-        saved_tp = getattr(self.args, "tensor_model_parallel_size", None) or self.tp
-        saved_pp = getattr(self.args, "pipeline_model_parallel_size", None) or self.pp
-        self.tp, self.pp = max(self.tp, saved_tp), max(self.pp, saved_pp)
-        for t in range(self.tp):
-            for p in range(self.pp):
-                rank_dir = folder / rank_dir_name(t, p, self.pp)
-                if not (rank_dir / MODEL_FILE).is_file():
-                    raise CheckpointError(f"{rank_dir / MODEL_FILE}: missing (checkpoint args say tp={self.tp}, "
-                                          f"pp={self.pp}; every mp_rank folder must be present)")
+        self._check_rank_folders()
         self.config = config_of(self.args, vocab_size, first_file)
         self.chunk_keys = chunk_keys(first)
         if not self.chunk_keys:
@@ -72,6 +64,28 @@ class MegatronCheckpoint(CheckpointReader):
         self._check_shards()
 
     # ---------------------------------------------------------------- files
+    def _check_rank_folders(self) -> None:
+        """The layout is the args' (tensor/pipeline_model_parallel_size) where they give it, else the
+        folder names'; every rank folder of it must hold its file, and no other mp_rank folder may be
+        there (a stray one names itself, never a layout nobody wrote)."""
+        saved_tp = getattr(self.args, "tensor_model_parallel_size", None)
+        saved_pp = getattr(self.args, "pipeline_model_parallel_size", None)
+        from_args = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (saved_tp, saved_pp))
+        if from_args:
+            self.tp, self.pp = saved_tp, saved_pp
+            source = f"checkpoint args say tp={self.tp}, pp={self.pp}"
+        else:
+            source = f"the mp_rank folders make tp={self.tp}, pp={self.pp}"
+        expected = {rank_dir_name(t, p, self.pp) for t in range(self.tp) for p in range(self.pp)}
+        stray = sorted(d for d in self.folder.glob("mp_rank_*") if d.is_dir() and d.name not in expected)
+        if stray:
+            raise CheckpointError(f"{stray[0]}: unexpected rank folder ({source}: {', '.join(sorted(expected))}); "
+                                  f"remove it or restore the checkpoint")
+        for name in sorted(expected):
+            if not (self.folder / name / MODEL_FILE).is_file():
+                raise CheckpointError(f"{self.folder / name / MODEL_FILE}: missing ({source}; every mp_rank folder "
+                                      f"must be present)")
+
     def _load(self, tp_rank: int, pp_rank: int) -> dict:
         path = self.folder / rank_dir_name(tp_rank, pp_rank, self.pp) / MODEL_FILE
         payload = safe_load(path, mmap=True)
@@ -115,7 +129,12 @@ class MegatronCheckpoint(CheckpointReader):
                         self.where[name] = (p, v, local)
                 offset += counts[(p, v)]
         if offset != self.config.num_layers:
-            raise CheckpointError(f"{self.folder}: holds {offset} layers but args say num_layers={self.config.num_layers}")
+            hf_config = getattr(self.args, "hf_config", None)
+            field = "n_layer" if isinstance(hf_config, dict) and "n_layer" in hf_config else "num_hidden_layers"
+            said = (f"args.hf_config says {field}={self.config.num_layers}"
+                    if isinstance(hf_config, dict) and hf_config.get("model_type")
+                    else f"args say num_layers={self.config.num_layers}")
+            raise CheckpointError(f"{self.folder}: holds {offset} layers but {said}")
 
     def _check_shards(self) -> None:
         """Every rank file's shard of every weight, against the shard of the config's shape (vocab
