@@ -1,13 +1,15 @@
 """A plain accelerate training script (tests/test_accelerate_user.py runs it twice: under
 `accelerate launch` with a Megatron-LM config, and as `python` with plain accelerate).
 
-    python accelerate_user_script.py OUT.pt --batch_size B [--arch gpt2]
+    python accelerate_user_script.py OUT.pt --batch_size B [--arch gpt2] [--case heads|dummy_loader]
 
 Dynamic padding (each batch padded to its longest sample, attention_mask 0 and labels -100 on
 the padding: lengths that are not a multiple of the tensor-parallel size), the loss and
 `accelerator.clip_grad_norm_`'s norm of each step, eval loss and logits, `accelerator.device`;
 trained twice from the same weights: the usual `prepare(model, optimizer, ...)` and the optimizer
 built on the prepared model's parameters (`model = prepare(model); AdamW(model.parameters())`).
+`--case` makes a user mistake instead (what the user sees is checked): a GPT-2 whose n_head the
+tensor-parallel degree does not divide, or accelerate's MegatronLMDummyDataLoader.
 """
 from __future__ import annotations
 
@@ -78,8 +80,14 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--batch_size", type=int, required=True)
     parser.add_argument("--arch", default="gpt2")
+    parser.add_argument("--case", choices=["heads", "dummy_loader"])
     args = parser.parse_args()
     accelerator = Accelerator()
+    if args.case == "heads":
+        accelerator.prepare(tiny_hf_model("gpt2", n_embd=48, n_head=3))
+    if args.case == "dummy_loader":
+        from accelerate.utils import MegatronLMDummyDataLoader
+        MegatronLMDummyDataLoader(data_path=["corpus_text_document"], splits_string="949,50,1", seq_length=16)
     result = {"device": str(accelerator.device), "distributed_type": str(accelerator.distributed_type),
               "usual": train(accelerator, args.arch, args.batch_size, optimizer_after_model=False)}
     accelerator.free_memory()

@@ -6,7 +6,8 @@ accelerate (one process, the same global batches):
   losses, `accelerator.clip_grad_norm_`'s norms (before clipping), eval loss and logits of plain
   accelerate;
 * an optimizer built on the prepared model's parameters trains as the usual order does;
-* `accelerator.device` is `cpu`, as plain accelerate's.
+* `accelerator.device` is `cpu`, as plain accelerate's;
+* user mistakes print one line per rank naming the accelerate config field (no traceback).
 """
 from __future__ import annotations
 
@@ -66,3 +67,24 @@ def test_dynamic_padding_norms_and_optimizer_order_match_plain_accelerate(tmp_pa
         error = (a["logits"][real] - b["logits"][real]).norm() / b["logits"][real].norm()
         assert error <= 1e-5, (order, error)
     assert ours["usual"]["losses"] == ours["optimizer_after_model"]["losses"]
+
+
+def _one_line_per_rank(result: subprocess.CompletedProcess, world: int, needles: list[str]) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if ": error: " in line and "accelerate_user_script.py" in line]
+    assert len(lines) == world, result.stderr[-4000:]
+    assert len({line.split("]: ", 1)[-1] for line in lines}) == 1, lines
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "hf_megatron/" not in result.stderr, result.stderr[-4000:]  # no traceback through our code
+    return lines[0]
+
+
+def test_user_mistakes_are_one_line_naming_the_accelerate_config(tmp_path):
+    world = _launch(tmp_path, 2, 3, str(tmp_path / "x.pt"), "--batch_size", "2")
+    _one_line_per_rank(world, 2, ["num_processes=2", "megatron_lm_tp_degree (3)"])
+    heads = _launch(tmp_path, 2, 2, str(tmp_path / "x.pt"), "--batch_size", "2", "--case", "heads")
+    line = _one_line_per_rank(heads, 2, ["megatron_lm_tp_degree=2", "num_attention_heads (n_head)=3"])
+    assert "num_key_value_heads" not in line  # GPT-2's config has no such field
+    dummy = _plain(tmp_path, str(tmp_path / "x.pt"), "--batch_size", "2", "--case", "dummy_loader")
+    _one_line_per_rank(dummy, 1, ["MegatronLMDummyDataLoader", "build_gpt_datasets"])

@@ -15,10 +15,14 @@ examples/by_feature/megatron_lm_gpt_pretraining.py runs unchanged):
 
 Modules: accelerator.py (the class), engine.py (the prepared model), plugin.py (MegatronLMPlugin
 and MegatronLMDummyScheduler -> our config), loaders.py, batches.py, logits.py, param_groups.py,
-weights.py (full HF-named weights), state_io.py (save_state / load_state), wrappers.py.
+weights.py (full HF-named weights), state_io.py (save_state / load_state), wrappers.py,
+user_errors.py (one-line errors in the accelerate config's names).
 """
 from .accelerator import Accelerator
 from .engine import MegatronEngine
 from .plugin import megatron_requested, training_config_from_plugin
+from .user_errors import refuse_dummy_data_loader
+
+refuse_dummy_data_loader()  # accelerate's needs NVIDIA's Megatron-LM even to be built: one line instead
 
 __all__ = ["Accelerator", "MegatronEngine", "megatron_requested", "training_config_from_plugin"]

@@ -35,6 +35,7 @@ from .engine import MegatronEngine, follow_user_lr
 from .loaders import prepare_loader
 from .param_groups import chunk_param_groups, hf_param_refs
 from .plugin import ENV_FLAG, megatron_requested, schedule_fields, training_config_from_plugin
+from .user_errors import check_model_fits, check_world, install_excepthook
 from .weights import gather_full, hf_state_dict, transformers_model, write_hf_folder
 from .wrappers import PreparedOptimizer, PreparedScheduler
 
@@ -63,6 +64,7 @@ def _barrier() -> None:
 
 class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, **kwargs):
+        install_excepthook()  # a bad input leaves the script as one line, not a traceback per rank
         plugin = kwargs.pop("megatron_lm_plugin", None)
         self.megatron = megatron_requested(plugin)
         if not self.megatron:
@@ -89,6 +91,8 @@ class Accelerator(accelerate.Accelerator):
         self._compile_kwargs = dynamo.to_kwargs() if dynamo is not None and dynamo.backend.value != "NO" else None
         if self._compile_kwargs is not None:
             self.megatron_config.torch_compile = True
+        check_world(self.num_processes, self.megatron_config.tensor_model_parallel_size,
+                    self.megatron_config.pipeline_model_parallel_size)
         self.megatron_grid = trainer.setup_parallel(self.megatron_config)
         plugin.set_mixed_precision(self.mixed_precision)
         plugin.micro_batch_size = getattr(plugin, "micro_batch_size", None)
@@ -153,11 +157,11 @@ class Accelerator(accelerate.Accelerator):
             raise ConfigError(f"accelerator.prepare: {type(model).__name__} is not a transformers causal LM "
                               f"(expected e.g. AutoModelForCausalLM.from_pretrained(...))")
         cfg = self.megatron_config
-        if any(p.is_meta for p in model.parameters()):
-            # built under init_empty_weights: a fresh Megatron init now, weights from load_state later
-            source = ModelConfig.from_hf(model.config.to_dict())
-        else:
-            source = model
+        model_config = ModelConfig.from_hf(model.config.to_dict())
+        check_model_fits(model_config, model.config, cfg.tensor_model_parallel_size,
+                         cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1)
+        # built under init_empty_weights: a fresh Megatron init now, weights from load_state later
+        source = model_config if any(p.is_meta for p in model.parameters()) else model
         chunks = trainer.build_model(source, cfg, device=self.device,
                                      compile=cfg.compile_options(self.device, **(self._compile_kwargs or {})))
         self._engine = MegatronEngine(chunks, cfg, model.config, self)
