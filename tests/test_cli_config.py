@@ -31,7 +31,7 @@ def _parse(*argv):
     (["--log-interval", "0"], "--log-interval"),
     (["--global-batch-size", "0"], "--global-batch-size"),
     (["--clip-grad", "-1"], "--clip-grad"),
-    (["--eval-iters", "0"], "--eval-iters"),
+    (["--eval-iters", "-1"], "--eval-iters"),  # 0 turns validation off, as in Megatron-LM
     (["--bf16", "--fp16"], "--fp16"),
 ])
 def test_bad_flag_value_is_one_line_through_the_real_cli(argv, flag):

@@ -189,3 +189,18 @@ def test_a_load_of_another_model_shape_names_the_tensor_and_leaves_no_save_folde
     (tmp_path / "kept").mkdir()  # a folder the user made stays, empty
     code, _, err = cli_inprocess(*base_args(workspace, 2, "--load", source, "--save", tmp_path / "kept"))
     assert code == 0 and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_eval_iters_0_turns_validation_off_and_a_valid_split_without_share_is_warned(workspace):
+    """Megatron-LM's --eval-iters 0 (it was refused) runs no validation and builds no valid split; an
+    --eval-interval over a split with no valid share (silently no validation) is warned at startup."""
+    code, out, err = cli_inprocess(*base_args(workspace, 2, "--eval-interval", 1, "--eval-iters", 0, split="100,0,0"))
+    assert code == 0, err
+    assert "validation loss" not in out and "warning" not in err
+    code, out, err = cli_inprocess(*base_args(workspace, 2, "--eval-interval", 1, split="100,0,0"))
+    assert code == 0, err
+    assert "validation loss" not in out
+    assert err.splitlines()[0] == ("hf-megatron train: warning: --eval-interval 1: no validation runs, the valid split "
+                                   "of --split 100,0,0 has no share")
+    code, out, err = cli_inprocess(*base_args(workspace, 2, "--eval-interval", 1, "--eval-iters", 1))
+    assert code == 0 and out.count("validation loss at iteration") == 2 and "warning" not in err

@@ -340,8 +340,8 @@ class RunConfig(ModelFlags):
     log_interval: int = option(10, group="checkpointing and logging", at_least=1, help="print every N steps")
     eval_interval: int | None = option(None, group="checkpointing and logging", at_least=1,
                                        help="evaluate on the valid split every N steps (default: never)")
-    eval_iters: int = option(10, group="checkpointing and logging", at_least=1,
-                             help="global batches per evaluation")
+    eval_iters: int = option(10, group="checkpointing and logging", at_least=0,
+                             help="global batches per evaluation; 0 turns validation off (Megatron-LM's rule)")
     tensorboard_dir: str | None = option(None, group="checkpointing and logging", help="TensorBoard log folder")
     no_checkpoint_checksums: bool = option(False, group="checkpointing and logging",
                                            help="neither write nor verify sha256 sidecars of checkpoint files")
@@ -399,6 +399,19 @@ class RunConfig(ModelFlags):
         if self.sft_pack and not self.sft:
             raise ConfigError("RunConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
 
+
+    def validates(self) -> bool:
+        """Validation runs: --eval-interval set, --eval-iters > 0 and a valid share in --split."""
+        from ..data.builder import split_bookends
+        return bool(self.eval_interval and self.eval_iters and split_bookends(self.split)[1] is not None)
+
+    def no_validation_reason(self) -> str | None:
+        """Why a run given --eval-interval validates nothing (a startup warning); None otherwise.
+        --eval-iters 0 is Megatron-LM's way to turn validation off: no warning for it."""
+        if not self.eval_interval or not self.eval_iters or self.validates():
+            return None
+        return (f"--eval-interval {self.eval_interval}: no validation runs, the valid split of --split {self.split} "
+                "has no share")
 
     def _check_tokenizer_flags(self) -> None:
         bpe_files = [f for f, v in (("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)) if v]
@@ -481,6 +494,7 @@ class EvalConfig:
         from training's defaults; the run's --eval-iters only when scoring the valid split."""
         names = ("split", "seed", "seq_length", "global_batch_size") + (("eval_iters",) if self.eval_split == "valid" else ())
         fallback = {"split": RunConfig.__dataclass_fields__["split"].default, "seed": TrainingConfig.seed}
+        recorded = {**recorded, "eval_iters": recorded.get("eval_iters") or None}  # 0: the run did not validate
         values = {n: recorded.get(n) if recorded.get(n) is not None else fallback.get(n)
                   for n in names if getattr(self, n) is None}
         if not self.sft and recorded.get("sft"):  # scored as the run scored it: response tokens only

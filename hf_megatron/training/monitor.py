@@ -278,6 +278,11 @@ class Monitor:
         self.print(f" sample at iteration {iteration} ({seconds:.1f} s): {prompt!r} -> {continuation!r}")
         self.text("sample", f"**{prompt}**{continuation}", iteration)
 
+    def warn(self, line: str) -> None:
+        """One line on stderr from the logging rank: the run goes on, but not as the flags may suggest."""
+        if self.is_logger:
+            print(f"hf-megatron train: warning: {line}", file=sys.stderr, flush=True)
+
     def note(self, line: str) -> None:
         """A one-off line (e.g. why text samples are skipped); not counted as training time."""
         self.print(line)

@@ -2,7 +2,7 @@
 minutes a large model takes to load), on every rank alike, each failing with one line.
 
 * every --data-path prefix opens (.idx and .bin exist, header valid);
-* the splits the run reads (train; valid when --eval-interval is set) get at least one sample's
+* the splits the run reads (train; valid when it validates: RunConfig.validates) get at least one sample's
   worth of tokens from every prefix -- the test split is never read by `train`, so it is not checked
   (nor built);
 * --seq-length fits a model with learned absolute positions (rotary models extrapolate);
@@ -20,7 +20,7 @@ from .config import RunConfig
 
 
 def used_splits(run: RunConfig) -> tuple[str, ...]:
-    return ("train", "valid") if run.eval_interval else ("train",)
+    return ("train", "valid") if run.validates() else ("train",)
 
 
 def check_data(run: RunConfig) -> None:

@@ -114,6 +114,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from .sampling import sampler_for_run
     from .signals import ExitConditions
     monitor = Monitor(cfg, run)  # the banner, before anything slow
+    if (reason := run.no_validation_reason()) is not None:
+        monitor.warn(reason)
     sampler = sampler_for_run(run, cfg.seed)  # a bad --tokenizer-model fails here, early
     exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
     lock = None
@@ -149,7 +151,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
     iteration, consumed = restored.iteration, restored.consumed_samples
     monitor.note(f" {restored.source}")
     eval_samples = 0
-    if run.eval_interval:
+    if run.validates():
         eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
     train_ds, valid_ds, _ = build_datasets(
         run, cfg.seed,
