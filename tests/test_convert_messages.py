@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 
 from hf_megatron.checkpoint.checksums import sidecar
@@ -26,7 +27,7 @@ def _edit_args(meg, edit):
         payload = safe_load(rank_file)
         edit(payload["args"])
         torch.save(payload, rank_file)
-        sidecar(rank_file).unlink()
+        sidecar(rank_file).unlink(missing_ok=True)
 
 
 def test_a_stray_rank_folder_is_named(tmp_path, capsys):
@@ -47,7 +48,11 @@ def test_a_stray_rank_folder_is_named(tmp_path, capsys):
 
 def test_layer_count_conflict_names_hf_config(tmp_path, capsys):
     _, meg = _megatron(tmp_path, "gpt2")
-    _edit_args(meg, lambda args: args.hf_config.update(n_layer=3))  # args.num_layers stays 2
+    _edit_args(meg, lambda args: args.hf_config.update(n_layer=3))
+    # args.num_layers (2) now contradicts hf_config: that is said first, naming both
+    cli_fails(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(tmp_path / "o")], capsys,
+              "args.num_layers=2 contradicts args.hf_config, which makes it 3")
+    _edit_args(meg, lambda args: setattr(args, "num_layers", None))  # as if absent: the files disagree with hf_config
     err = cli_fails(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(tmp_path / "o")], capsys,
                     "holds 2 layers", "args.hf_config says n_layer=3")
     assert "num_layers=3" not in err
@@ -71,3 +76,22 @@ def test_out_that_is_a_file_is_called_a_file(tmp_path, capsys):
     err = cli_fails(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(tmp_path / "taken")], capsys,
                     str(tmp_path / "taken"), "is a file")
     assert "not empty" not in err and (tmp_path / "taken").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("field,value,expected", [("rotary_base", 1000000.0, "500000.0"),
+                                                  ("norm_epsilon", 1e-3, "1e-06"),
+                                                  ("num_layers", 3, "2")])
+def test_args_that_contradict_hf_config_are_refused(field, value, expected, tmp_path, capsys):
+    """The model is built from args.hf_config; an args field saying otherwise is not silently ignored."""
+    _, meg = _megatron(tmp_path, "llama", "--tp", "2")
+    _edit_args(meg, lambda args: setattr(args, field, value))
+    for argv in (["convert", "megatron-to-hf", "--megatron", str(meg)], ["reshard", "--src", str(meg)]):
+        cli_fails(argv + ["--out", str(tmp_path / "o")], capsys, f"args.{field}={value!r}", expected, "hf_config",
+                  "model_optim_rng.pt")
+        assert not (tmp_path / "o").exists()
+
+
+def test_args_that_agree_with_hf_config_in_another_spelling_pass(tmp_path, capsys):
+    _, meg = _megatron(tmp_path, "llama")
+    _edit_args(meg, lambda args: setattr(args, "rotary_base", 500000))  # an int, as Megatron-LM's flag stores it
+    assert main(["convert", "megatron-to-hf", "--megatron", str(meg), "--out", str(tmp_path / "o")]) == 0

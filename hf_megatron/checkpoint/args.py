@@ -266,6 +266,40 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
     return getattr(args, name, default) if not isinstance(args, dict) else args.get(name, default)
 
 
+# model arguments that restate what args.hf_config says (FIELDS computes them from it); dropout and
+# init are left out: a run may train with its own
+RESTATED = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "group_query_attention",
+            "kv_channels", "max_position_embeddings", "vocab_size", "position_embedding_type", "normalization",
+            "norm_epsilon", "layernorm_epsilon", "apply_layernorm_1p", "qk_layernorm", "swiglu", "openai_gelu",
+            "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights")
+RESTATED_IF = {"num_query_groups": lambda c: c.num_query_groups != c.num_attention_heads,  # Megatron: GQA only
+               "rotary_base": lambda c: c.position_embedding_type == "rope",
+               "rotary_percent": lambda c: c.position_embedding_type == "rope"}
+
+
+def _same(stored: Any, expected: Any) -> bool:
+    if isinstance(stored, bool) or isinstance(expected, bool):
+        return stored is expected or (isinstance(stored, bool) and isinstance(expected, bool) and stored == expected)
+    if isinstance(stored, (int, float)) and isinstance(expected, (int, float)):
+        return float(stored) == float(expected)
+    return stored == expected
+
+
+def check_args_agree(args: Any, config: ModelConfig) -> None:
+    """A model argument stored beside `hf_config` must say what hf_config says: the model is built
+    from hf_config, so an edited `args.rotary_base` (say) would otherwise be silently ignored."""
+    layout = Layout()
+    names = [*RESTATED, *(name for name, applies in RESTATED_IF.items() if applies(config))]
+    for name in names:
+        stored = _get(args, name)
+        if stored is None:
+            continue
+        expected = FIELDS[name](config, layout)
+        if not _same(stored, expected):
+            raise ConfigError(f"args.{name}={stored!r} contradicts args.hf_config, which makes it {expected!r} "
+                              f"(the model is built from hf_config); make them agree")
+
+
 def config_from_args(args: Any, vocab_size: int | None = None) -> ModelConfig:
     """ModelConfig for a checkpoint's args (a Namespace, one of our stand-ins, or a dict)."""
     if args is None:
@@ -273,5 +307,7 @@ def config_from_args(args: Any, vocab_size: int | None = None) -> ModelConfig:
     divisible = _get(args, "make_vocab_size_divisible_by", 128) or 128
     hf_config = _get(args, "hf_config")
     if isinstance(hf_config, dict) and hf_config.get("model_type"):
-        return ModelConfig.from_hf(hf_config, make_vocab_size_divisible_by=divisible)
+        config = ModelConfig.from_hf(hf_config, make_vocab_size_divisible_by=divisible)
+        check_args_agree(args, config)
+        return config
     return ModelConfig.from_hf(hf_config_from_megatron_args(args, vocab_size), make_vocab_size_divisible_by=divisible)
