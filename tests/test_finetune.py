@@ -49,7 +49,8 @@ def _fresh_training_state(folder):
 def test_finetune_from_a_megatron_checkpoint_loads_weights_only(sources, flags):
     save = sources / f"ft_{flags[0][2:]}"
     out = _finetune(sources, save, 2, *[sources / f if f == "base" else f for f in flags])
-    assert "iteration      1/2" in out and learning_rates(out) == ["0.000e+00", "2.000e-03"]
+    # the log shows the lr after each step (Megatron-LM's): the one warmup step is done at iteration 1
+    assert "iteration      1/2" in out and learning_rates(out) == ["2.000e-03", "2.000e-03"]
     assert "fine-tuning from" in out
     assert_same_weights(weights(save, 1), weights(sources / "base", 2))
     _fresh_training_state(save)
@@ -58,7 +59,7 @@ def test_finetune_from_a_megatron_checkpoint_loads_weights_only(sources, flags):
 def test_finetune_from_an_hf_folder_and_from_its_converted_checkpoint_agree(sources):
     out_hf = _finetune(sources, sources / "ft_hf", 2, "--pretrained-checkpoint", sources / "hf")
     out_conv = _finetune(sources, sources / "ft_conv", 2, "--pretrained-checkpoint", sources / "converted")
-    assert "iteration      1/2" in out_hf and learning_rates(out_hf) == learning_rates(out_conv) == ["0.000e+00", "2.000e-03"]
+    assert "iteration      1/2" in out_hf and learning_rates(out_hf) == learning_rates(out_conv) == ["2.000e-03", "2.000e-03"]
     assert_same_weights(weights(sources / "ft_hf", 1), weights(sources / "ft_conv", 1))
     assert_same_weights(weights(sources / "ft_hf", 2), weights(sources / "ft_conv", 2))
     _fresh_training_state(sources / "ft_conv")
@@ -87,8 +88,9 @@ def test_no_load_optim_starts_optimizer_and_schedule_afresh(sources):
     save = sources / "partial"
     _finetune(sources, save, 2, "--pretrained-checkpoint", sources / "base")
     out = _finetune(sources, save, 3, "--load", save, "--no-load-optim", "--lr-decay-iters", 2)
-    # Megatron-LM: without the optimizer the LR schedule starts again too (warmup step: lr 0)
-    assert "iteration      3/3" in out and learning_rates(out) == ["0.000e+00"]
+    # Megatron-LM: without the optimizer the LR schedule starts again too: one step of it (4 samples)
+    assert "iteration      3/3" in out and learning_rates(out) == ["2.000e-03"]
     payload = _rank_file(save, 3)
+    assert payload["opt_param_scheduler"]["num_steps"] == 4
     assert {s["step"].item() for s in payload["optimizer"]["state"].values()} == {1.0}
     assert payload["iteration"] == 3

@@ -104,11 +104,12 @@ def test_load_of_the_save_folder_starts_a_new_run_unless_exit_on_missing_checkpo
 
 
 def test_train_samples_and_warmup_fraction_follow_megatron(workspace):
-    # 14 samples // 4 per step = 3 steps; warmup 0.5 of the 4-step horizon = 2 steps: lr 0, lr/2, lr
+    # 14 samples // 4 per step = 3 steps; warmup 0.5 of the 4-step horizon = 2 steps: the steps use lr 0, lr/2,
+    # lr; each log line shows the lr after its step (Megatron-LM's): lr/2, lr, then halfway down the linear decay
     code, out, err = cli_inprocess(*base_args(workspace, None, "--train-samples", 14, "--lr-warmup-fraction", 0.5,
                                              "--lr-decay-iters", 4, "--save", workspace / "samples"))
     assert code == 0, err
-    assert learning_rates(out) == ["0.000e+00", "5.000e-04", "1.000e-03"]
+    assert learning_rates(out) == ["5.000e-04", "1.000e-03", "5.000e-04"]
     line = _error(cli_inprocess(*base_args(workspace, 2, "--train-samples", 8)))
     assert "--train-iters (2) and --train-samples (8) are exclusive" in line
     assert "expected --train-iters N or --train-samples N" in _error(cli_inprocess(*base_args(workspace, None)))
@@ -204,3 +205,31 @@ def test_eval_iters_0_turns_validation_off_and_a_valid_split_without_share_is_wa
                                    "of --split 100,0,0 has no share")
     code, out, err = cli_inprocess(*base_args(workspace, 2, "--eval-interval", 1, "--eval-iters", 1))
     assert code == 0 and out.count("validation loss at iteration") == 2 and "warning" not in err
+
+
+def test_logged_learning_rate_is_megatron_lms_lr_after_the_step(workspace, tmp_path):
+    """Megatron-LM's train_step steps the scheduler after optimizer.step, then training_log prints
+    optimizer.param_groups' lr: the schedule after the step (it showed the lr the step used: 0 at
+    iteration 1 of a warmup).  The reference is megatron-core's own OptimizerParamScheduler, stepped by
+    the global batch in samples as Megatron-LM steps it, on the CLI's log lines and TensorBoard."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    iters, gbs = 5, 4
+    code, out, err = cli_inprocess(*base_args(workspace, iters, "--lr-warmup-iters", 2, "--lr-decay-iters", iters,
+                                              "--lr-decay-style", "cosine", "--min-lr", 1e-4,
+                                              "--tensorboard-dir", tmp_path / "tb"))
+    assert code == 0, err
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2 * gbs,
+                                        lr_decay_steps=iters * gbs, lr_decay_style="cosine", start_wd=0.0,
+                                        end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
+    expected = []
+    for _ in range(iters):
+        scheduler.step(increment=gbs)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert learning_rates(out) == [f"{lr:.3e}" for lr in expected]
+    assert float(learning_rates(out)[0]) > 0
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    logged = [e.value for e in events.Scalars("learning-rate")]
+    assert logged == pytest.approx(expected, rel=1e-6)

@@ -51,6 +51,13 @@ def _fmt_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
 
+def logged_lr(stats: dict) -> float | None:
+    """The learning rate shown for a step: as Megatron-LM's training_log, the optimizer's lr read after
+    the step's scheduler update (`next_lr`: at iteration 1 of a warmup, already the warmup's first
+    non-zero lr), else the lr the step used."""
+    return stats["next_lr"] if stats.get("next_lr") is not None else stats.get("lr")
+
+
 class Monitor:
     def __init__(self, cfg, run, stream=None):
         self.cfg, self.run = cfg, run
@@ -220,7 +227,7 @@ class Monitor:
         self.consumed = samples
         if finite:
             self.train_curve.append((iteration, loss))
-        self.scalars(iteration, {"lm loss": loss if finite else None, "learning-rate": stats.get("lr"),
+        self.scalars(iteration, {"lm loss": loss if finite else None, "learning-rate": logged_lr(stats),
                                  "grad-norm": grad_norm, "loss-scale": stats.get("loss_scale"),
                                  "batch-size": self.global_batch, "skipped-iterations": self.skipped,
                                  "nan-iterations": self.nans}, samples)
@@ -253,7 +260,7 @@ class Monitor:
                  f"throughput per GPU (TFLOP/s/GPU): {rates['tflops']:.3g}"]
         if rates["mfu"] is not None:
             parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
-        parts += [f"tokens/s: {rates['tokens_per_s']:,.0f}", f"learning rate: {last.get('lr', 0.0):.6E}",
+        parts += [f"tokens/s: {rates['tokens_per_s']:,.0f}", f"learning rate: {logged_lr(last) or 0.0:.6E}",
                   f"lm loss: {loss:.6E}" if loss is not None else "lm loss: n/a",
                   f"loss scale: {last.get('loss_scale', 1.0):g}", f"grad norm: {grad}",
                   f"number of skipped iterations: {self.skipped}", f"number of nan iterations: {self.nans}",

@@ -129,8 +129,9 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     the grads), all but the last accumulate=True (stop after backward: no grad reduction, no
     update); the last reduces the summed grads and steps once.
 
-    Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens"}; `lr` and
-    `loss_scale` are the values this step used.  (training/deferred.py runs the same three parts with
+    Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens", "next_lr"};
+    `lr` and `loss_scale` are the values this step used, `next_lr` the lr after its schedule update
+    (the one the log shows, as Megatron-LM's).  (training/deferred.py runs the same three parts with
     each step's read moved after the next step's forward and backward.)"""
     step = queue_forward_backward(chunks, optimizer, micro_batches, fresh=fresh, loss_weight=loss_weight,
                                   reduce=not accumulate)
@@ -215,7 +216,9 @@ def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dic
     updated, grad_norm = optimizer.finish_step(step.launched, host[2:] or None)
     if updated and scheduler is not None:
         scheduler.step()
-    return {**result, "grad_norm": grad_norm, "skipped": not updated}
+    # `next_lr`: the lr after this step's schedule update, what Megatron-LM's training_log prints as
+    # "learning rate" (optimizer.param_groups' lr read after train_step stepped the scheduler)
+    return {**result, "grad_norm": grad_norm, "skipped": not updated, "next_lr": _current_lr(optimizer)}
 
 
 @torch.no_grad()
