@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -74,6 +77,29 @@ def _carry_tokenizer(source: Path, tokenizer_dir: Path) -> list[str]:
     return copied
 
 
+@contextmanager
+def _staged(out: str | os.PathLike):
+    """`StagingDir(out)`, removed again however the conversion ends short of its commit.  An exception or
+    Ctrl-C unwinds through StagingDir's clean-up; SIGTERM and SIGHUP (a `kill`, a job scheduler's stop, a
+    closed terminal) would end the process without it, so while their handlers are the default they raise
+    SystemExit(128 + signal) instead.  (SIGKILL cannot be caught: it leaves `.<out>.partial-*`, never `out`.)"""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # only there can handlers be set
+        for sig in filter(None, (signal.SIGTERM, getattr(signal, "SIGHUP", None))):
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                previous[sig] = signal.signal(sig, _exit_on_signal)
+    try:
+        with StagingDir(out) as staging:
+            yield staging
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _finish_megatron(staging: StagingDir, iteration) -> None:
     write_text_atomic(staging.path / TRACKER, str(iteration))
 
@@ -99,7 +125,7 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, p
         return ((n, _cast(t, target)) for n, t in hf_to_mcore(source_ckpt.get, config, layers))
 
     report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp}
-    with StagingDir(out) as staging:
+    with _staged(out) as staging:
         _write_output(staging.path / iter_dir_name("release"), config, source, tp, pp, vpp, "release", args, None,
                       ckpt_format, legacy_names)
         report["tokenizer_files"] = _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
@@ -137,7 +163,7 @@ def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: s
     if tokenizer and not tokenizer_src.is_dir():
         raise CheckpointError(f"{tokenizer_src}: tokenizer folder not found (--tokenizer)")
     report: dict[str, Any] = {"out": str(out), "dtype": str(out_dtype).replace("torch.", "")}
-    with StagingDir(out) as staging:
+    with _staged(out) as staging:
         report.update(write_hf_weights(staging.path, ckpt.config, ckpt.get, out_dtype, max_shard_size))
         write_hf_config(staging.path, ckpt.config, out_dtype, getattr(ckpt.args, "hf_generation_config", None))
         report["tokenizer_files"] = copy_tokenizer(tokenizer_src, staging.path)
@@ -207,7 +233,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
     if carry is not None:
         keep = {**carry.args, **keep}
     report: dict[str, Any] = {"out": str(out), "tp": tp, "pp": pp, "vpp": vpp, "iteration": ckpt.iteration}
-    with StagingDir(out) as staging:
+    with _staged(out) as staging:
         iter_dir = staging.path / iter_dir_name(ckpt.iteration)
         _write_output(iter_dir, ckpt.config, source, tp, pp, vpp, ckpt.iteration, keep, extra, ckpt_format,
                       legacy_names, rank_extra=carry.rank_entries if carry is not None else None)
