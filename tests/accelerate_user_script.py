@@ -65,14 +65,17 @@ def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool) 
         optimizer.zero_grad()
         losses.append(loss.item())
     model.eval()
-    plugin = getattr(accelerator.state, "megatron_lm_plugin", None)
-    if plugin is not None:
-        plugin.return_logits = True
     batch = next(batches)
     with torch.no_grad():
+        loss_only = model(**batch).loss  # Megatron-LM: micro batches, no logits
+        plugin = getattr(accelerator.state, "megatron_lm_plugin", None)
+        if plugin is not None:
+            plugin.return_logits = True
         out = model(**batch)
-    return {"losses": losses, "norms": norms, "eval_loss": out.loss.item(), "logits": out.logits.cpu(),
-            "mask": batch["attention_mask"].cpu()}
+        if plugin is not None:
+            plugin.return_logits = False
+    return {"losses": losses, "norms": norms, "eval_loss": out.loss.item(), "eval_loss_only": loss_only.item(),
+            "logits": out.logits.cpu(), "mask": batch["attention_mask"].cpu()}
 
 
 def main():
