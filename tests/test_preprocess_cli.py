@@ -3,6 +3,7 @@ compared with the tokenizer's own ids (tiny tokenizers trained here, no network)
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 
@@ -209,3 +210,35 @@ def test_unusable_keys_and_output_paths_are_one_line_before_anything_is_written(
     assert cli.main(argv) == 2
     assert capsys.readouterr().err == f"hf-megatron preprocess: error: {expected}\n"
     assert sorted(os.listdir(tmp_path)) == (["corpus.jsonl"] if case != "repeated_key" else [])
+
+
+def test_train_tokenizer_refuses_to_overwrite_and_too_small_vocabularies(corpus, tmp_path, capsys):
+    """--train-tokenizer overwrote an existing tokenizer silently; bpe --vocab-size 5 silently gave 257
+    entries; a SentencePiece vocabulary below the corpus's characters was a RuntimeError traceback."""
+    root, _ = corpus
+
+    def run(kind, model, size):
+        tokenizer_type = "HuggingFaceTokenizer" if kind == "bpe" else "SentencePieceTokenizer"
+        code = cli.main(["preprocess", "--input", str(root / "corpus.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                         "--tokenizer-type", tokenizer_type, "--tokenizer-model", str(model), "--train-tokenizer",
+                         kind, "--vocab-size", str(size), "--no-progress"])
+        return code, capsys.readouterr().err
+
+    code, err = run("bpe", tmp_path / "t", 5)
+    assert code == 2 and err == ("hf-megatron preprocess: error: --vocab-size 5: expected at least 257 for "
+                                 "--train-tokenizer bpe (a byte-level BPE holds the 256 byte tokens and "
+                                 "<|endoftext|>)\n")
+    existing = tmp_path / "tok"
+    shutil.copytree(root / "tok", existing)
+    before = {p.name: p.read_bytes() for p in existing.iterdir()}
+    code, err = run("bpe", existing, 300)
+    assert code == 2 and err.startswith(f"hf-megatron preprocess: error: --tokenizer-model {existing}: {existing} "
+                                        "already exists and --train-tokenizer would overwrite it")
+    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before
+    (tmp_path / "sp.model").write_bytes(b"kept")
+    code, err = run("sentencepiece", tmp_path / "sp.model", 300)
+    assert code == 2 and "already exists" in err and (tmp_path / "sp.model").read_bytes() == b"kept"
+    code, err = run("sentencepiece", tmp_path / "small.model", 5)
+    assert code == 2 and err.startswith("hf-megatron preprocess: error: --vocab-size 5: SentencePiece cannot train "
+                                        "it (Vocabulary size is smaller than required_chars") and err.count("\n") == 1
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("o")]

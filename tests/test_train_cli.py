@@ -205,6 +205,10 @@ def test_eval_iters_0_turns_validation_off_and_a_valid_split_without_share_is_wa
                                    "of --split 100,0,0 has no share")
     code, out, err = cli_inprocess(*base_args(workspace, 2, "--eval-interval", 1, "--eval-iters", 1))
     assert code == 0 and out.count("validation loss at iteration") == 2 and "warning" not in err
+    # Megatron-LM ignores a --save-interval without --save too; here it is said
+    code, out, err = cli_inprocess(*base_args(workspace, 1, "--save-interval", 1))
+    assert code == 0 and err.splitlines()[0] == ("hf-megatron train: warning: --save-interval 1: no checkpoint is "
+                                                 "saved without --save")
 
 
 def test_logged_learning_rate_is_megatron_lms_lr_after_the_step(workspace, tmp_path):

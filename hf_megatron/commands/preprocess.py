@@ -60,12 +60,33 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
+BPE_MIN_VOCAB = 257  # a byte-level BPE holds the 256 bytes and its end-of-text token before any merge
+
+
+def _check_tokenizer_target(args) -> None:
+    """Before the corpus is read: a vocabulary the trainer can give, and nothing overwritten."""
+    import os
+    if args.train_tokenizer == "bpe":
+        if args.vocab_size < BPE_MIN_VOCAB:
+            raise ConfigError(f"--vocab-size {args.vocab_size}: expected at least {BPE_MIN_VOCAB} for --train-tokenizer "
+                              "bpe (a byte-level BPE holds the 256 byte tokens and <|endoftext|>)")
+        target = args.tokenizer_model
+        taken = os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target))
+    else:
+        model = args.tokenizer_model if args.tokenizer_model.endswith(".model") else args.tokenizer_model + ".model"
+        target, taken = model, os.path.exists(model)
+    if taken:
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model}: {target} already exists and --train-tokenizer "
+                          f"would overwrite it; give a new path (or remove it, or drop --train-tokenizer to use it)")
+
+
 def _train_tokenizer(args) -> None:
     from hf_megatron.data.sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
     from hf_megatron.data.tokenizers import train_bpe_tokenizer, train_sentencepiece_tokenizer
 
     if not args.tokenizer_model or not args.vocab_size:
         raise ConfigError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
+    _check_tokenizer_target(args)
     sources = resolve_sources(args.input, args.hf_dataset, args.hf_subset, args.hf_split, args.streaming)
     chunks = plan_chunks(expand_inputs(sources), 1, 1 << 62, args.split)
     texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)

@@ -175,8 +175,12 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int, model_p
     import sentencepiece
 
     os.makedirs(os.path.dirname(os.path.abspath(model_prefix)), exist_ok=True)
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_prefix=model_prefix, vocab_size=vocab_size,
-        model_type=model_type, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        hard_vocab_limit=False, minloglevel=2)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_prefix=model_prefix, vocab_size=vocab_size,
+            model_type=model_type, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+            hard_vocab_limit=False, minloglevel=2)
+    except RuntimeError as exc:  # e.g. a vocabulary smaller than the corpus's characters
+        reason = str(exc).strip().splitlines()[0].rsplit("] ", 1)[-1]
+        raise DataError(f"--vocab-size {vocab_size}: SentencePiece cannot train it ({reason})") from None
     return model_prefix + ".model"

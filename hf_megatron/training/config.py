@@ -405,13 +405,17 @@ class RunConfig(ModelFlags):
         from ..data.builder import split_bookends
         return bool(self.eval_interval and self.eval_iters and split_bookends(self.split)[1] is not None)
 
-    def no_validation_reason(self) -> str | None:
-        """Why a run given --eval-interval validates nothing (a startup warning); None otherwise.
-        --eval-iters 0 is Megatron-LM's way to turn validation off: no warning for it."""
-        if not self.eval_interval or not self.eval_iters or self.validates():
-            return None
-        return (f"--eval-interval {self.eval_interval}: no validation runs, the valid split of --split {self.split} "
-                "has no share")
+    def startup_warnings(self) -> list[str]:
+        """Flags Megatron-LM accepts but that do nothing here (one warning line each at startup):
+        an --eval-interval over a split without a valid share (--eval-iters 0 is Megatron-LM's way to
+        turn validation off: no warning for it), a --save-interval without --save."""
+        lines = []
+        if self.eval_interval and self.eval_iters and not self.validates():
+            lines.append(f"--eval-interval {self.eval_interval}: no validation runs, the valid split of --split "
+                         f"{self.split} has no share")
+        if self.save_interval and not self.save:
+            lines.append(f"--save-interval {self.save_interval}: no checkpoint is saved without --save")
+        return lines
 
     def _check_tokenizer_flags(self) -> None:
         bpe_files = [f for f, v in (("--vocab-file", self.vocab_file), ("--merge-file", self.merge_file)) if v]

@@ -114,8 +114,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from .sampling import sampler_for_run
     from .signals import ExitConditions
     monitor = Monitor(cfg, run)  # the banner, before anything slow
-    if (reason := run.no_validation_reason()) is not None:
-        monitor.warn(reason)
+    for line in run.startup_warnings():
+        monitor.warn(line)
     sampler = sampler_for_run(run, cfg.seed)  # a bad --tokenizer-model fails here, early
     exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
     lock = None
