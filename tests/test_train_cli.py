@@ -144,6 +144,7 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
         (["--tensorboard-dir", a_file], f"error: --tensorboard-dir {a_file}: expected a folder, {a_file} is a file"),
         (["--data-cache-path", a_file / "cache"],
          f"error: --data-cache-path {a_file / 'cache'}: expected a folder, {a_file} is a file"),
+        (["--save", a_file / "ckpt"], f"error: --save {a_file / 'ckpt'}: expected a folder, {a_file} is a file"),
     ]
     for extra, expected in cases:
         started = time.perf_counter()

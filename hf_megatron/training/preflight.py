@@ -6,7 +6,7 @@ minutes a large model takes to load), on every rank alike, each failing with one
   worth of tokens from every prefix -- the test split is never read by `train`, so it is not checked
   (nor built);
 * --seq-length fits a model with learned absolute positions (rotary models extrapolate);
-* --tensorboard-dir and --data-cache-path can be folders (no file on their path, writable).
+* --save, --tensorboard-dir and --data-cache-path can be folders (no file on their path, writable).
 Batch divisibility is TrainingConfig.num_micro_batches', checked when the global batch is computed.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def check_model_fits(seq_length: int, config: ModelConfig) -> None:
 
 def check_output_folders(run) -> None:
     """`train` and `evaluate`: the folders the run will write, before anything is built."""
-    for flag, value in (("--tensorboard-dir", getattr(run, "tensorboard_dir", None)),
+    for flag, value in (("--save", getattr(run, "save", None)), ("--tensorboard-dir", getattr(run, "tensorboard_dir", None)),
                         ("--data-cache-path", run.data_cache_path)):
         if value:
             check_output_folder(flag, value)
