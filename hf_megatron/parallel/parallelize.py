@@ -81,8 +81,9 @@ def check_tensor_parallel(config, tp: int) -> None:
     MLP columns per rank)."""
     if config.num_query_groups % tp:
         raise ParallelConfigError(
-            f"num_query_groups (num_key_value_heads)={config.num_query_groups} is not divisible by tensor parallel "
-            f"size {tp}; use a tensor_model_parallel_size that divides {config.num_query_groups}")
+            f"num_query_groups (the model's key/value heads: num_key_value_heads, or its attention heads "
+            f"without grouped-query attention)={config.num_query_groups} is not divisible by tensor parallel size {tp}; "
+            f"use a tensor_model_parallel_size that divides {config.num_query_groups}")
     if config.ffn_hidden_size % tp:
         raise ParallelConfigError(f"ffn_hidden_size (intermediate_size)={config.ffn_hidden_size} is not divisible "
                                   f"by tensor parallel size {tp}")
