@@ -72,3 +72,74 @@ def test_token_ids_beyond_the_vocabulary_are_refused_once_and_cached(tmp_path):
         build_gpt_datasets(prefix, vocab_size=300, **kwargs)
     # without a vocabulary nothing is checked (preprocess-only use)
     build_gpt_datasets(prefix, **kwargs)
+
+
+# each damage of a cached index file: (how, expected text in the one-line error)
+CACHE_DAMAGE = {
+    "truncated": (lambda path: open(path, "r+b").truncate(os.path.getsize(path) // 2), "expected the .npy array"),
+    "not npy": (lambda path: open(path, "wb").write(b"garbage" * 8), "not a .npy file"),
+    "empty": (lambda path: open(path, "wb").close(), "not a .npy file"),
+    "pickled": (lambda path: np.save(path, np.array([{"x": 1}], dtype=object), allow_pickle=True), "Python objects"),
+    "float": (lambda path: np.save(path, np.load(path).astype(np.float64)), "found float64"),
+    "out of range": (lambda path: np.save(path, np.load(path).astype(np.int64) + 10 ** 6), "found values"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CACHE_DAMAGE))
+def test_damaged_index_cache_files_are_refused_naming_them(tmp_path, damage):
+    """--data-cache-path: a cached .npy that is damaged (or a foreign array under its name) is one DataError
+    naming the file -- was a numpy traceback, an IndexError, or windows cut from garbage indices.  The intact
+    cache, read back, still gives megatron-core's GPTDataset / BlendedDataset samples."""
+    from data_oracle import mcore_datasets, write_random_corpus
+
+    prefixes = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for seed, prefix in enumerate(prefixes):
+        write_random_corpus(prefix, num_docs=80, seed=seed)
+    edit, text = CACHE_DAMAGE[damage]
+    for blend, mcore_blend, sizes in ((prefixes[0], ([prefixes[0]], None), (None, None, None)),
+                                      (f"0.4 {prefixes[0]} 0.6 {prefixes[1]}", (prefixes, [0.4, 0.6]), (300, 20, 4))):
+        cache = str(tmp_path / f"cache{len(mcore_blend[0])}")
+        kwargs = dict(split="90,8,2", seq_length=16, seed=5, num_samples=sizes, cache_dir=cache)
+        build_gpt_datasets(blend, **kwargs)
+        train = build_gpt_datasets(blend, **kwargs)[0]  # from the cache
+        ref = mcore_datasets(mcore_blend, "90,8,2", 16, 5, list(sizes))[0]
+        assert len(train) == len(ref)
+        for i in (0, len(ref) // 2, len(ref) - 1):
+            np.testing.assert_array_equal(train[i], np.append(ref[i]["tokens"].numpy(), ref[i]["labels"][-1:].numpy()))
+        for path in sorted(glob.glob(os.path.join(cache, "*-train-*.npy"))):
+            saved = open(path, "rb").read()
+            edit(path)
+            with pytest.raises(DataError, match=f"^{path}: damaged index cache file .*{text}") as info:
+                build_gpt_datasets(blend, **kwargs)
+            assert "\n" not in str(info.value)
+            open(path, "wb").write(saved)
+
+
+def test_float_token_codes_and_trailing_index_bytes_are_refused(tmp_path):
+    """megatron-core's IndexedDataset reads both (its builder accepts float dtypes): an int64 corpus whose
+    .idx code says float64 (same item size, so .bin still matches) gave windows of zeros -- silently, even with
+    the vocabulary check; bytes past the header's arrays were ignored.  Now each is one line naming the .idx."""
+    import torch
+    from data_oracle import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "c")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int64)
+    for i in range(20):
+        builder.add_item(torch.arange(i, i + 30))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    kwargs = dict(split="1,0,0", seq_length=8, cache_dir=str(tmp_path / "cache"))
+    assert build_gpt_datasets(prefix, **kwargs)[0][0].max() > 0
+    raw = bytearray(open(prefix + ".idx", "rb").read())
+    raw[len(MAGIC) + 8] = 6  # dtype code: int64 -> float64
+    open(prefix + ".idx", "wb").write(bytes(raw))
+    for vocab in (None, 100):
+        with pytest.raises(DataError, match=f"^{prefix}.idx: dtype code 6 \\(float64\\) holds no token ids; expected "
+                                            "an integer code"):
+            build_gpt_datasets(prefix, vocab_size=vocab, **kwargs)
+    raw[len(MAGIC) + 8] = 5
+    open(prefix + ".idx", "wb").write(bytes(raw) + b"\0" * 8)
+    with pytest.raises(DataError, match=f"^{prefix}.idx: index longer than its header says \\({len(raw) + 8} bytes"):
+        IndexedDataset(prefix)
+    with pytest.raises(DataError, match="give the prefix without .bin / .idx"):
+        build_gpt_datasets(prefix + ".bin", **kwargs)

@@ -18,7 +18,7 @@ import numpy as np
 from ..errors import DataError
 from .blending import normalize
 from .gpt_dataset import BlendedDataset, GPTDataset
-from .indexed import IndexedDataset
+from .indexed import IndexedDataset, open_token_dataset
 from .sft import build_sft_datasets
 
 SPLITS = ("train", "valid", "test")
@@ -58,7 +58,7 @@ def split_bookends(split: str) -> list[tuple[float, float] | None]:
 
 
 def _open(prefix: str) -> IndexedDataset:
-    return IndexedDataset(prefix)
+    return open_token_dataset(prefix)
 
 
 def _splits_of(indexed: IndexedDataset, bookends, sizes, seq_length, seed, cache_dir, extra, drop_valid):

@@ -4,7 +4,10 @@ Files are named ``{md5(description)}-{kind}-{split}-{array}.npy`` next to a
 ``...-description.json`` holding the description itself, so any change of the inputs (data
 files, split, seed, sequence length, sample counts) yields a new hash and a rebuild, and a reused
 cache can be audited.  Writes are atomic (temp + rename) with the description written last: a
-description file on disk means all arrays are complete.
+description file on disk means all arrays are complete.  A cached array that does not load as a
+.npy file, or that the caller's ``check`` finds of the wrong dtype, shape or value range (a damaged
+or foreign file under that name), is a DataError naming it: it is never used, and never silently
+rebuilt over (another rank may be reading it).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import ConfigError, DataNotFoundError
+from ..errors import ConfigError, DataError, DataNotFoundError
 
 CACHE_FORMAT = 1
 
@@ -59,11 +62,40 @@ def _save_atomic(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def index_problem(array: np.ndarray, low: int, high: int, shape: tuple) -> str | None:
+    """None when `array` is an integer array of `shape` (None = any length) with every value in
+    [low, high); else what was expected and what was found (for a damaged cache file's error)."""
+    wanted = "[" + ", ".join("N" if n is None else str(n) for n in shape) + "]"
+    expected = f"expected integers of shape {wanted} in [{low}, {high})"
+    if array.dtype.kind not in "iu" or array.ndim != len(shape) or any(
+            n is not None and n != m for n, m in zip(shape, array.shape)):
+        return f"{expected}, found {array.dtype.name} of shape {list(array.shape)}"
+    if array.size and (int(array.min()) < low or int(array.max()) >= high):
+        return f"{expected}, found values {int(array.min())}..{int(array.max())}"
+    return None
+
+
+def _load_cached(path: str) -> np.ndarray:
+    try:
+        with open(path, "rb") as stream:
+            magic = stream.read(6)
+        if magic != b"\x93NUMPY":
+            raise ValueError("not a .npy file")
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{path}: damaged index cache file ({reason}); expected the .npy array hf_megatron "
+                        "wrote there -- delete it to rebuild") from None
+
+
 def cached_arrays(cache_dir: str | None, kind: str, split: str, description: dict,
-                  names: tuple[str, ...], build: Callable[[], tuple[np.ndarray, ...]]
+                  names: tuple[str, ...], build: Callable[[], tuple[np.ndarray, ...]],
+                  check: Callable[[tuple[np.ndarray, ...]], tuple[int, str] | None] | None = None
                   ) -> tuple[tuple[np.ndarray, ...], str]:
     """Return the arrays ``names`` (built by ``build()`` on rank 0 unless already cached) and the
-    description hash.  With ``cache_dir=None`` every rank builds in memory and nothing is saved."""
+    description hash.  With ``cache_dir=None`` every rank builds in memory and nothing is saved.
+    ``check(arrays)`` vets arrays read from the cache: None, or (position in ``names``, what was
+    expected and found), which is raised as a DataError naming that file."""
     description = {"format": CACHE_FORMAT, **description}
     digest = description_hash(description)
     if cache_dir is None:
@@ -92,4 +124,9 @@ def cached_arrays(cache_dir: str | None, kind: str, split: str, description: dic
     if missing:
         raise DataNotFoundError(f"{missing[0]}: index cache file missing after rank 0 built it "
                                 "(is the cache directory, --data-cache-path, shared by all ranks?)")
-    return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths), digest
+    arrays = tuple(_load_cached(p) for p in paths)
+    problem = check(arrays) if check is not None else None
+    if problem is not None:
+        position, what = problem
+        raise DataError(f"{paths[position]}: damaged index cache file ({what}); delete it to rebuild")
+    return arrays, digest

@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import DataError
 from .blending import build_blending_indices, build_exhaustive_blending_indices, normalize
-from .cache import cached_arrays
+from .cache import cached_arrays, index_problem
 from .gpt_indices import build_gpt_indices
 from .indexed import IndexedDataset
 
@@ -54,9 +54,27 @@ class GPTDataset:
             return build_gpt_indices(indexed.sequence_lengths, documents, num_samples, self.seq_length,
                                      seed, self.extra, drop_last_partial)
 
+        def check(arrays):  # cached arrays must index this dataset (see gpt_indices.py)
+            document_index, sample_index, shuffle_index = arrays
+            longest = int(indexed.sequence_lengths.max()) if len(indexed) else 0
+            problem = index_problem(document_index, 0, len(indexed), (None,))
+            if problem:
+                return 0, problem
+            # an offset is -1 only past an empty last document of a kept partial window
+            problem = index_problem(sample_index, -1, max(len(document_index), longest + 1), (None, 2))
+            if problem is None:
+                for column, what, low, high in ((0, "document-index positions", 0, len(document_index)),
+                                                (1, "token offsets", -1, longest + 1)):
+                    found = index_problem(sample_index[:, column], low, high, (None,))
+                    problem = problem or (found and f"column {column}, {what}: {found}")
+            if problem:
+                return 1, problem
+            problem = index_problem(shuffle_index, 0, len(sample_index) - 1, (len(sample_index) - 1,))
+            return (2, problem) if problem else None
+
         (self.document_index, self.sample_index, self.shuffle_index), self.hash = cached_arrays(
             cache_dir, "GPTDataset", split, description,
-            ("document_index", "sample_index", "shuffle_index"), build)
+            ("document_index", "sample_index", "shuffle_index"), build, check)
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -110,8 +128,24 @@ class BlendedDataset:
                                      f"from it but it has {len(dataset)} (raise mid_level_surplus)")
             return dataset_index, sample_index
 
+        def check(arrays):  # cached arrays must index these datasets (see blending.py)
+            dataset_index, dataset_sample_index = arrays
+            length = size if size is not None else sum(self.weights)
+            problem = index_problem(dataset_index, 0, len(datasets), (length,))
+            if problem:
+                return 0, problem
+            problem = index_problem(dataset_sample_index, 0, np.iinfo(np.int64).max, (length,))
+            past = np.flatnonzero(dataset_sample_index >= np.array([len(d) for d in datasets], np.int64)[
+                dataset_index]) if problem is None else ()
+            if len(past):
+                t, i = int(past[0]), int(dataset_index[past[0]])
+                problem = (f"expected sample numbers below each dataset's length, found values {int(dataset_sample_index[t])} "
+                           f"at {t} for dataset {i} of {len(datasets[i])} samples")
+            return (1, problem) if problem else None
+
         (self.dataset_index, self.dataset_sample_index), self.hash = cached_arrays(
-            cache_dir, "BlendedDataset", split, description, ("dataset_index", "dataset_sample_index"), build)
+            cache_dir, "BlendedDataset", split, description, ("dataset_index", "dataset_sample_index"), build,
+            check)
 
     def __len__(self) -> int:
         return len(self.dataset_index)

@@ -54,7 +54,8 @@ def _read_header(path: str) -> tuple[np.dtype, int, int]:
         with open(path, "rb") as stream:
             head = stream.read(HEADER_BYTES)
     except FileNotFoundError:
-        raise DataNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin)") from None
+        hint = "; give the prefix without .bin / .idx" if path.endswith((".bin.idx", ".idx.idx")) else ""
+        raise DataNotFoundError(f"{path}: index file not found (expected a Megatron .idx next to the .bin{hint})") from None
     except OSError as exc:  # a folder, unreadable
         raise DataError(f"{path}: cannot read the index ({exc.strerror})") from None
     if len(head) < len(MAGIC) or head[: len(MAGIC)] != MAGIC:
@@ -83,8 +84,9 @@ class IndexedDataset:
         self.dtype, seq_count, doc_count = _read_header(self.idx_file)
         expected = HEADER_BYTES + seq_count * (4 + 8) + doc_count * 8
         actual = os.path.getsize(self.idx_file)
-        if actual < expected:
-            raise DataError(f"{self.idx_file}: truncated index ({actual} bytes, header promises "
+        if actual != expected:
+            what = "truncated index" if actual < expected else "index longer than its header says"
+            raise DataError(f"{self.idx_file}: {what} ({actual} bytes, header promises "
                              f"{seq_count} sequences and {doc_count} document entries = {expected} bytes)")
         index = np.memmap(self.idx_file, dtype=np.uint8, mode="r")
         self._index_map = index
@@ -181,6 +183,17 @@ class IndexedDataset:
         start = int(self.sequence_pointers[first]) // self.dtype.itemsize
         stop = int(self.sequence_pointers[last - 1]) // self.dtype.itemsize + int(self.sequence_lengths[last - 1])
         return self._data[start:stop]
+
+
+def open_token_dataset(prefix: str) -> IndexedDataset:
+    """IndexedDataset(prefix) holding token ids: a float dtype code (6, 7: valid MMIDIDX, never a
+    tokenizer's output) is a DataError -- read as ids, its bytes would be garbage."""
+    indexed = IndexedDataset(prefix)
+    if indexed.dtype.kind == "f":
+        code = CODE_OF_DTYPE[indexed.dtype]
+        raise DataError(f"{indexed.idx_file}: dtype code {code} ({indexed.dtype.name}) holds no token ids; expected "
+                        f"an integer code ({', '.join(f'{c} {np.dtype(t).name}' for c, t in DTYPE_CODES.items() if np.dtype(t).kind != 'f')})")
+    return indexed
 
 
 def _write_index(path: str, dtype: np.dtype, lengths: np.ndarray, doc_indices: np.ndarray) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError, DataNotFoundError
-from .indexed import IndexedDataset, idx_path
+from .indexed import IndexedDataset, idx_path, open_token_dataset
 from .sft_records import loss_mask_prefix
 
 IGNORE = -100  # model/gpt.py IGNORE_INDEX (data/ sits below model/ in no import order; same value)
@@ -45,7 +45,7 @@ def open_sft_prefix(prefix: str) -> tuple[IndexedDataset, IndexedDataset]:
     if not os.path.isfile(idx_path(mask_prefix)):
         raise DataNotFoundError(f"{idx_path(mask_prefix)}: --sft needs the loss mask written by "
                                 f"`hf-megatron preprocess --sft` beside {prefix}.bin/.idx")
-    tokens, mask = IndexedDataset(prefix), IndexedDataset(mask_prefix)
+    tokens, mask = open_token_dataset(prefix), IndexedDataset(mask_prefix)
     if not (np.array_equal(tokens.sequence_lengths, mask.sequence_lengths)
             and np.array_equal(tokens.document_indices, mask.document_indices)):
         raise DataError(f"{mask.idx_file}: loss mask does not match {tokens.idx_file} (different documents "
