@@ -141,6 +141,23 @@ def test_from_pretrained_dtype_is_transformers_auto(drop_config_dtype, tmp_path)
     assert {p.dtype for p in hf_megatron.from_pretrained(reference).parameters()} == {torch.bfloat16}
 
 
+@pytest.mark.parametrize("value", ["float17", "int64", 5, ["bfloat16"]])
+def test_config_dtype_naming_no_floating_dtype_is_refused(value, tmp_path):
+    """config.json `dtype: "float17"` (or an int dtype, a number, a list) was silently replaced by the weights'
+    dtype; transformers' from_pretrained fails on it (AttributeError).  Now one line naming the file and field."""
+    import json
+    from hf_megatron.errors import ConfigError
+    src = tmp_path / "m"
+    save_hf(src, "llama")
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = value
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception):
+        AutoModelForCausalLM.from_pretrained(src, local_files_only=True)
+    with pytest.raises(ConfigError, match=f"^{src / 'config.json'}: field 'dtype': expected a torch floating dtype"):
+        hf_megatron.from_pretrained(src)
+
+
 def test_gpt2_without_attention_scaling_computes_transformers_logits(tmp_path, capsys):
     """scale_attn_weights=false: scores are q.k, not q.k / sqrt(head_dim)."""
     src = save_hf(tmp_path / "unscaled", "gpt2", scale_attn_weights=False)

@@ -195,14 +195,19 @@ class HFCheckpoint:
 
     def auto_dtype(self) -> torch.dtype:
         """The dtype transformers' `from_pretrained(dtype="auto")` loads this checkpoint in: config.json's
-        `dtype` (transformers 5) or `torch_dtype` (4.x) when it names a floating dtype, else the first
-        floating-point stored tensor's."""
+        `dtype` (transformers 5) or `torch_dtype` (4.x), else the first floating-point stored tensor's.
+        A value that names no torch floating dtype is a ConfigError naming the file (transformers
+        fails on it with an AttributeError)."""
+        from ..errors import ConfigError
         for key in ("dtype", "torch_dtype"):
             name = self.config.get(key)
-            if isinstance(name, str):
-                dtype = getattr(torch, name.removeprefix("torch."), None)
-                if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-                    return dtype
+            if name is None:
+                continue
+            dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ConfigError(f"{self.path / 'config.json'}: field {key!r}: expected a torch floating dtype "
+                                  f"name such as 'bfloat16' or 'float32', got {name!r}")
+            return dtype
         for _, _, dtype in self.stored().values():
             if dtype.is_floating_point:
                 return dtype
