@@ -8,6 +8,10 @@ accelerate (one process, the same global batches):
 * an optimizer built on the prepared model's parameters trains as the usual order does;
 * `accelerator.device` is `cpu`, as plain accelerate's;
 * user mistakes print one line per rank naming the accelerate config field (no traceback).
+
+and tests/accelerate_checkpoint_script.py the same way: gradient accumulation, a transformers cosine
+schedule, register_for_checkpointing, automatic checkpoint naming with total_limit and a mid-epoch
+resume (load_state + skip_first_batches) give plain accelerate's losses, lrs, norms and folders.
 """
 from __future__ import annotations
 
@@ -102,3 +106,37 @@ def test_user_mistakes_are_one_line_naming_the_accelerate_config(tmp_path):
     assert "num_key_value_heads" not in line  # GPT-2's config has no such field
     dummy = _plain(tmp_path, str(tmp_path / "x.pt"), "--batch_size", "2", "--case", "dummy_loader")
     _one_line_per_rank(dummy, 1, ["MegatronLMDummyDataLoader", "build_gpt_datasets"])
+
+
+CHECKPOINT_SCRIPT = Path(__file__).with_name("accelerate_checkpoint_script.py")
+
+
+def test_checkpointing_as_accelerate_documents_it_matches_plain_accelerate(tmp_path):
+    """accelerate_checkpoint_script.py: gradient accumulation + a cosine schedule, register_for_checkpointing,
+    a save pre-hook, automatic checkpoint naming with total_limit, a mid-epoch resume with
+    skip_first_batches -- under Megatron-LM (tp2, sp, 2 micro batches) as under plain accelerate."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "plain").mkdir()
+    config = write_megatron_config(tmp_path / "tp2.yaml", 2, 2, 1, NUM_MICRO, True)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    megatron = subprocess.run([str(accelerate), "launch", "--config_file", str(config), str(CHECKPOINT_SCRIPT),
+                               "out.pt", "--batch_size", str(MICRO)], capture_output=True, text=True, timeout=300,
+                              env=_env(), cwd=tmp_path / "megatron")
+    assert megatron.returncode == 0, (megatron.stdout + megatron.stderr)[-6000:]
+    plain = subprocess.run([sys.executable, str(CHECKPOINT_SCRIPT), "out.pt", "--batch_size", str(MICRO * NUM_MICRO)],
+                           capture_output=True, text=True, timeout=300, env=_env(), cwd=tmp_path / "plain")
+    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-6000:]
+    ours, theirs = torch.load(tmp_path / "megatron" / "out.pt"), torch.load(tmp_path / "plain" / "out.pt")
+    for run in ("full", "resumed"):
+        assert _close(ours[run]["losses"], theirs[run]["losses"]), (run, ours[run], theirs[run])
+        assert _close(ours[run]["norms"], theirs[run]["norms"]), (run, ours[run], theirs[run])
+        assert _close(ours[run]["lrs"], theirs[run]["lrs"]), (run, ours[run], theirs[run])
+    assert len(ours["full"]["norms"]) == 6  # 12 batches, 2 per update
+    # the resumed run continues exactly where the uninterrupted one was after 8 batches
+    assert ours["resumed"]["losses"] == ours["full"]["losses"][8:]
+    assert ours["resumed"]["lrs"] == ours["full"]["lrs"][8:]
+    for key, expected in (("kept", ["checkpoint_1", "checkpoint_2"]), ("hooked", ["checkpoint_0", "checkpoint_1",
+                          "checkpoint_2"]), ("save_iteration", 3), ("counter_mid", 8), ("counter_newest", 12)):
+        assert ours[key] == theirs[key] == expected, (key, ours[key], theirs[key])
+    newest = tmp_path / "megatron" / "proj" / "checkpoints" / "checkpoint_2"
+    assert (newest / "custom_checkpoint_0.pkl").is_file() and (newest / "latest_checkpointed_iteration.txt").is_file()

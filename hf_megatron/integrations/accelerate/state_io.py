@@ -12,15 +12,27 @@
 Saving the same folder again replaces the iteration folder and the tracker atomically and the
 transformers files one by one (weights.py).  `load_state` restores model, optimizer, schedule,
 RNG streams, the engine's iteration and samples, accelerate's step counter and the loaders'
-positions; a model prepared from `init_empty_weights` gets its weights here.  accelerate's
-`register_for_checkpointing` objects are not saved (one-line error).
+positions; a model prepared from `init_empty_weights` gets its weights here.
+
+The rest is accelerate's own `save_state` / `load_state`: `register_for_checkpointing` objects as
+`custom_checkpoint_<i>.pkl` (their `state_dict()`, written by the main process; loaded back on every
+rank with accelerate's `load_custom_state`, a full unpickle as accelerate does it), the save / load
+pre-hooks (called as accelerate's Megatron-LM path calls them: no weights list, no models on load),
+`ProjectConfiguration(automatic_checkpoint_naming=True)`: every save goes to
+`<project_dir>/checkpoints/checkpoint_<save_iteration>` (a given folder is ignored, as in accelerate),
+`total_limit` removes the oldest first, and `load_state()` reads the newest; every save counts
+`project_configuration.iteration` up.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from accelerate.checkpointing import load_custom_state
 
 from ...errors import ConfigError
 from ...training.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
@@ -33,30 +45,88 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _folder(accelerator, output_dir, saving: bool) -> Path:
-    if output_dir is not None:
-        return Path(output_dir)
+def _number(folder: Path) -> int | None:
+    """accelerate's order of checkpoint folders: the last number in the name."""
+    found = re.findall(r"[0-9]+", folder.name)
+    return int(found[-1]) if found else None
+
+
+def _auto_root(accelerator) -> Path:
+    return Path(accelerator.project_dir) / "checkpoints"
+
+
+def _save_folder(accelerator, output_dir) -> Path:
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
-        api = "save_state(output_dir)" if saving else "load_state(input_dir)"
-        raise ConfigError(f"accelerator.{api}: give a folder (or ProjectConfiguration(automatic_checkpoint_naming=True))")
-    if config.total_limit is not None:
-        raise ConfigError("ProjectConfiguration(total_limit=...) is not supported under Megatron-LM; "
-                          "remove old checkpoint folders yourself")
-    root = Path(accelerator.project_dir) / "checkpoints"
-    if saving:
-        return root / f"checkpoint_{accelerator.save_iteration}"
-    done = sorted(root.glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[-1]))
+        if output_dir is None:
+            raise ConfigError("accelerator.save_state(output_dir): give a folder "
+                              "(or ProjectConfiguration(automatic_checkpoint_naming=True))")
+        return Path(output_dir)
+    root = _auto_root(accelerator)
+    folder = root / f"checkpoint_{accelerator.save_iteration}"
+    if folder.exists():  # every rank sees it before anything is removed or written
+        raise ConfigError(f"accelerator.save_state(): {folder} already exists; set "
+                          f"accelerator.project_configuration.iteration to the next free number")
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        if config.total_limit is not None:
+            numbered = sorted((p for p in root.iterdir() if _number(p) is not None), key=_number)
+            for old in numbered[:max(len(numbered) + 1 - config.total_limit, 0)]:
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+    _barrier()
+    return folder
+
+
+def _load_folder(accelerator, input_dir) -> Path:
+    if input_dir is not None:
+        folder = Path(input_dir).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"accelerator.load_state: {folder} is not a folder")
+        return folder
+    if not accelerator.project_configuration.automatic_checkpoint_naming:
+        raise ConfigError("accelerator.load_state(input_dir): give a folder "
+                          "(or ProjectConfiguration(automatic_checkpoint_naming=True))")
+    root = _auto_root(accelerator)
+    done = sorted((p for p in root.glob("checkpoint_*") if _number(p) is not None), key=_number)
     if not done:
         raise ConfigError(f"accelerator.load_state(): no checkpoint_* folder in {root}")
     return done[-1]
 
 
+def _custom_files(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if re.fullmatch(r"custom_checkpoint_\d+\.pkl", p.name)]
+
+
+def _save_custom_objects(accelerator, folder: Path) -> None:
+    """accelerate's save_custom_state, written atomically (temp + rename) by the main process
+    (every node's local main with `save_on_each_node`)."""
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    if not (accelerator.is_local_main_process if on_each_node else accelerator.is_main_process):
+        return
+    for index, obj in enumerate(accelerator._custom_objects):
+        target = folder / f"custom_checkpoint_{index}.pkl"
+        partial = target.with_name(f".{target.name}.partial")
+        torch.save(obj.state_dict(), partial)
+        os.replace(partial, target)
+    for stale in _custom_files(folder):  # an earlier save into this folder registered more objects
+        if int(re.findall(r"[0-9]+", stale.name)[-1]) >= len(accelerator._custom_objects):
+            stale.unlink()
+
+
+def _load_custom_objects(accelerator, folder: Path) -> None:
+    found = len(_custom_files(folder))
+    if found != len(accelerator._custom_objects):
+        raise ConfigError(f"accelerator.load_state: {folder} holds {found} custom_checkpoint_*.pkl file(s) but "
+                          f"{len(accelerator._custom_objects)} object(s) are registered with "
+                          f"register_for_checkpointing; register the same objects as when it was saved")
+    for index, obj in enumerate(accelerator._custom_objects):
+        load_custom_state(obj, os.fspath(folder), index)
+
+
 def save_state(accelerator, engine, output_dir=None) -> str:
-    if accelerator._custom_objects:
-        raise ConfigError("accelerator.register_for_checkpointing objects are not saved under Megatron-LM; "
-                          "keep their state in your own file")
-    folder = _folder(accelerator, output_dir, saving=True)
+    folder = _save_folder(accelerator, output_dir)
+    for hook in accelerator._save_model_state_pre_hook.values():
+        hook(accelerator._models, [], os.fspath(folder))  # as accelerate's Megatron-LM path: no weights list
     chunks = list(engine.chunks)
     extra = {"consumed_train_samples": engine.consumed_train_samples, "accelerate_step": accelerator.step,
              "dataloaders": [dl.position() if isinstance(dl, PositionedLoader) else {}
@@ -67,14 +137,16 @@ def save_state(accelerator, engine, output_dir=None) -> str:
     full = gather_full(chunks, dst=accelerator.num_processes - 1)  # the main process: the last rank
     if full is not None:
         write_hf_folder(full, chunks[0].config, folder)
+    _save_custom_objects(accelerator, folder)
     _barrier()
-    if output_dir is None:
-        accelerator.project_configuration.iteration += 1
+    accelerator.project_configuration.iteration += 1  # accelerate counts every save
     return os.fspath(folder)
 
 
 def load_state(accelerator, engine, input_dir=None) -> None:
-    folder = _folder(accelerator, input_dir, saving=False)
+    folder = _load_folder(accelerator, input_dir)
+    for hook in accelerator._load_model_state_pre_hook.values():
+        hook([], os.fspath(folder))  # as accelerate's Megatron-LM path: the engine loads itself
     chunks = list(engine.chunks)
     _barrier()
     engine.iteration = load_checkpoint(folder, chunks, engine.optimizer, engine.scheduler)
@@ -87,4 +159,5 @@ def load_state(accelerator, engine, input_dir=None) -> None:
     for loader, saved in zip(accelerator._dataloaders, info.get("dataloaders") or []):
         if isinstance(loader, PositionedLoader) and saved:
             loader.restore(saved)
+    _load_custom_objects(accelerator, folder)
     _barrier()
