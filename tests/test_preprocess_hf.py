@@ -114,3 +114,39 @@ def test_bad_hub_inputs_are_one_line_errors(corpus, tmp_path):
     for line, (_, needle) in zip(errors, cases):
         assert needle in line, line
     assert not [p for p in os.listdir(tmp_path) if p.startswith("o")]  # nothing half-written
+
+
+def test_split_flags_apply_to_their_inputs_or_are_refused(corpus, tmp_path, capsys):
+    """A saved DatasetDict: `--input DIR --split validation` and `--hf-dataset DIR --hf-split validation` give
+    that split's rows (the transformers tokenizer's ids, read back by megatron-core).  A split flag no input
+    takes (`--hf-dataset DIR --split validation`, `--input x.jsonl --hf-split ...`, `--streaming` on files)
+    was ignored -- the train rows were written -- and is now one line naming the flag, nothing written."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    root, rows = corpus
+    folder = tmp_path / "dd"
+    columns = {"text": [r["text"] for r in rows]}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": columns["text"][:200]}),
+                          "validation": datasets.Dataset.from_dict({"text": columns["text"][200:]})}
+                         ).save_to_disk(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(root / "tok")
+    expected = [ids + [tokenizer.eos_token_id] for ids in (tokenizer(t).input_ids for t in columns["text"][200:]) if ids]
+    for name, extra in (("input", ["--input", folder, "--split", "validation"]),
+                        ("hub", ["--hf-dataset", folder, "--hf-split", "validation"])):
+        assert cli.main(_base(root, tmp_path / name, "--no-progress", *extra)) == 0
+        reader = McoreIndexed(str(tmp_path / f"{name}_text_document"))
+        assert [reader[i].tolist() for i in range(len(reader))] == expected
+    capsys.readouterr()
+    jsonl = root / "folder" / "part-00.jsonl"
+    cases = [(["--hf-dataset", folder, "--split", "validation"], "--split validation: picks the split of a saved "
+                                                                 "DatasetDict folder under --input and none is given"),
+             (["--input", root / "saved", "--split", "validation"], "--split validation: picks"),
+             (["--input", jsonl, "--hf-split", "validation"], "--hf-split validation: applies to --hf-dataset"),
+             (["--input", jsonl, "--hf-subset", "en"], "--hf-subset en: applies to"),
+             (["--input", jsonl, "--streaming"], "--streaming: applies to")]
+    for i, (extra, needle) in enumerate(cases):
+        assert cli.main(_base(root, tmp_path / f"bad{i}", "--no-progress", *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hf-megatron preprocess: error: ") and needle in err and "\n" not in err, err
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("bad")]

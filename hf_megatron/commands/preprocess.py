@@ -36,7 +36,7 @@ def add_parser(subparsers) -> None:
                        help="Hub id, local folder of data files, single data file (.parquet/.jsonl/.arrow/.csv/.txt) "
                             "or save_to_disk folder")
     group.add_argument("--hf-subset", help="configuration name (load_dataset's `name`)")
-    group.add_argument("--hf-split", default="train", help="split to read (default: train)")
+    group.add_argument("--hf-split", default=None, help="split to read (default: train)")
     group.add_argument("--streaming", action="store_true",
                        help="stream the rows (no Arrow cache written); workers read contiguous file shards")
     group = parser.add_argument_group("tokenizer")
@@ -87,7 +87,7 @@ def _train_tokenizer(args) -> None:
     if not args.tokenizer_model or not args.vocab_size:
         raise ConfigError("--train-tokenizer needs --tokenizer-model (where to save) and --vocab-size")
     _check_tokenizer_target(args)
-    sources = resolve_sources(args.input, args.hf_dataset, args.hf_subset, args.hf_split, args.streaming)
+    sources = resolve_sources(args.input, args.hf_dataset, args.hf_subset, args.hf_split or "train", args.streaming)
     chunks = plan_chunks(expand_inputs(sources), 1, 1 << 62, args.split)
     texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
     if args.train_tokenizer == "bpe":

@@ -16,6 +16,7 @@ token dataset ``{output_prefix}_sft_document`` plus its loss mask ``..._sft_docu
 """
 from __future__ import annotations
 
+import glob
 import multiprocessing
 import os
 import shutil
@@ -28,6 +29,7 @@ from ..errors import ConfigError, DataError
 from .cache import check_output_folder
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
+from .hub import HF_SCHEME
 from .sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
 from .tokenizers import build_tokenizer
 
@@ -53,7 +55,7 @@ class PreprocessOptions:
     sft: bool = False
     hf_dataset: str | None = None   # datasets.load_dataset inputs (hub.py), after `inputs`
     hf_subset: str | None = None
-    hf_split: str = "train"
+    hf_split: str | None = None     # None: "train"
     streaming: bool = False
 
 
@@ -141,6 +143,24 @@ def _progress(options: PreprocessOptions, total_docs: int | None):
     return tqdm(total=total_docs, unit="docs", unit_scale=True, desc="preprocess", mininterval=0.5)
 
 
+def _check_split_flags(options: PreprocessOptions) -> None:
+    """--hf-split / --hf-subset / --streaming apply to load_dataset inputs (--hf-dataset, --input hf://NAME),
+    --split to saved DatasetDict folders under --input: one given where no input takes it was read as
+    "train" / ignored without a word."""
+    plain = [str(item) for item in options.inputs if not str(item).startswith(HF_SCHEME)]
+    if not options.hf_dataset and len(plain) == len(options.inputs):
+        for flag, value in (("--hf-split", options.hf_split), ("--hf-subset", options.hf_subset),
+                            ("--streaming", options.streaming)):
+            if value:
+                given = flag if value is True else f"{flag} {value}"
+                raise ConfigError(f"{given}: applies to --hf-dataset / --input hf://NAME inputs and none is given "
+                                  f"(--input {' '.join(plain)}); a saved DatasetDict folder under --input takes --split")
+    if options.split is not None and not any(os.path.isfile(os.path.join(path, "dataset_dict.json"))
+                                             for item in plain for path in glob.glob(item) or [item]):
+        raise ConfigError(f"--split {options.split}: picks the split of a saved DatasetDict folder under --input "
+                          "and none is given; for --hf-dataset / --input hf://NAME use --hf-split")
+
+
 def check_options(options: PreprocessOptions) -> None:
     """What needs no tokenizer and no input read: one line each, before anything is written."""
     if not options.json_keys:
@@ -151,6 +171,7 @@ def check_options(options: PreprocessOptions) -> None:
                           f"{', '.join(map(repr, repeated))} more than once")
     if options.workers < 1 or options.partitions < 1:
         raise ConfigError("--workers and --partitions must be >= 1")
+    _check_split_flags(options)
     check_output_folder("--output-prefix", options.output_prefix,
                         os.path.dirname(os.path.abspath(options.output_prefix)))
 
@@ -165,8 +186,8 @@ def preprocess(options: PreprocessOptions) -> dict:
         raise DataError(f"--append-eod: tokenizer {options.tokenizer_model or options.tokenizer_type} has no "
                          "end-of-document (eos) token")
     dtype_name = np.dtype(optimal_dtype(tokenizer.vocab_size)).name
-    paths = expand_inputs(resolve_sources(options.inputs, options.hf_dataset, options.hf_subset, options.hf_split,
-                                          options.streaming))
+    paths = expand_inputs(resolve_sources(options.inputs, options.hf_dataset, options.hf_subset,
+                                          options.hf_split or "train", options.streaming))
     chunks = plan_chunks(paths, max(options.partitions, 4 * options.workers if options.workers > 1 else 1),
                          64 << 20, options.split)
     out_dir = os.path.dirname(os.path.abspath(options.output_prefix))
