@@ -115,6 +115,37 @@ def test_train_samples_and_warmup_fraction_follow_megatron(workspace):
     assert "expected --train-iters N or --train-samples N" in _error(cli_inprocess(*base_args(workspace, None)))
 
 
+def test_train_samples_schedule_spans_the_samples_as_megatron_lms(workspace):
+    """Megatron-LM's --train-samples schedule is counted in samples: the decay horizon (and its warmup
+    fraction) and wd_incr_steps are train_samples itself, not the whole global batches (14 samples at 4
+    per step: 3 steps over a 14-sample horizon; it was 12).  Reference: megatron-core's
+    OptimizerParamScheduler set up as Megatron-LM's get_optimizer_param_scheduler sets it up."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from hf_megatron.checkpoint.unpickle import safe_load
+    samples, gbs = 14, 4
+    code, out, err = cli_inprocess(*base_args(workspace, None, "--train-samples", samples, "--lr-warmup-fraction",
+                                              0.25, "--lr-decay-style", "cosine", "--min-lr", 1e-4,
+                                              "--save", workspace / "samples_horizon"))
+    assert code == 0, err
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4,
+                                        lr_warmup_steps=0.25 * samples, lr_decay_steps=samples,
+                                        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=samples,
+                                        wd_incr_style="constant")
+    expected = []
+    for _ in range(samples // gbs):
+        scheduler.step(increment=gbs)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert learning_rates(out) == [f"{lr:.3e}" for lr in expected]
+    saved = safe_load(workspace / "samples_horizon" / "iter_0000003" / "mp_rank_00" /
+                                 "model_optim_rng.pt")["opt_param_scheduler"]
+    reference = scheduler.state_dict()
+    for key in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "num_steps"):
+        assert saved[key] == reference[key], key
+
+
 def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(workspace):
     folder = workspace / "gbs"
     assert _train(workspace, folder, 2)[0] == 0

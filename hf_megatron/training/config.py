@@ -190,7 +190,7 @@ class TrainingConfig:
         if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
             raise ConfigError(f"TrainingConfig: --lr-warmup-fraction ({self.lr_warmup_fraction}) and "
                               f"--lr-warmup-iters ({self.lr_warmup_iters}) are exclusive: give one")
-        horizon = self.lr_decay_iters or self.train_iters
+        horizon = self.lr_decay_horizon or None
         if self.lr_decay_style != "constant" and horizon is not None and horizon <= self.warmup_iters:
             raise ConfigError(f"TrainingConfig.lr_warmup_iters (--lr-warmup-iters): expected fewer than the decay "
                               f"horizon {horizon} (--lr-decay-iters, else --train-iters), got {self.lr_warmup_iters}")
@@ -221,7 +221,23 @@ class TrainingConfig:
         horizon (Megatron-LM's rule; then W may be fractional, lr = peak * n / W for n <= W)."""
         if self.lr_warmup_fraction is None:
             return self.lr_warmup_iters
-        return self.lr_warmup_fraction * (self.lr_decay_iters or self.train_iters or 0)
+        return self.lr_warmup_fraction * self.lr_decay_horizon
+
+    # a --train-samples run, once for_global_batch made it --train-iters: train_samples / global batch
+    # (may be fractional); not a field, so no flag and no dataclasses.replace carries it
+    _samples_horizon = None
+
+    @property
+    def train_horizon(self) -> float:
+        """Training length in steps as Megatron-LM's schedule counts it: --train-iters, or for a
+        --train-samples run train_samples / global batch -- Megatron-LM counts that schedule in samples
+        (lr_decay_samples and wd_incr_steps default to train_samples itself, not whole batches)."""
+        return self._samples_horizon or self.train_iters or 0
+
+    @property
+    def lr_decay_horizon(self) -> float:
+        """Decay horizon D of the LR schedule in steps: --lr-decay-iters, else `train_horizon`."""
+        return self.lr_decay_iters or self.train_horizon
 
     def for_global_batch(self, global_batch_size: int) -> "TrainingConfig":
         """This config with --train-samples turned into --train-iters = train_samples // global batch
@@ -232,7 +248,9 @@ class TrainingConfig:
         if iters < 1:
             raise ConfigError(f"TrainingConfig.train_samples (--train-samples): expected at least one global "
                               f"batch ({global_batch_size} samples), got {self.train_samples}")
-        return dataclasses.replace(self, train_iters=iters, train_samples=None)
+        out = dataclasses.replace(self, train_iters=iters, train_samples=None)
+        out._samples_horizon = self.train_samples / global_batch_size
+        return out
 
     def compiles(self, device) -> bool:
         """Whether a model built for `device` is compiled: --torch-compile / --no-torch-compile as given;

@@ -87,9 +87,9 @@ def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = Non
 
 
 def build_scheduler(optimizer, cfg: TrainingConfig) -> LRScheduler:
-    return LRScheduler(optimizer, cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.train_iters,
+    return LRScheduler(optimizer, cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_horizon,
                        cfg.lr_decay_style, samples_per_iter=cfg.micro_batch_size * state.get_state().dp
-                       * cfg.num_micro_batches(), weight_decay=cfg.weight_decay, train_iters=cfg.train_iters)
+                       * cfg.num_micro_batches(), weight_decay=cfg.weight_decay, train_iters=cfg.train_horizon)
 
 
 def split_batch(batch: dict, cfg: TrainingConfig) -> list[dict]:
