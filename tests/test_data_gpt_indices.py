@@ -186,3 +186,21 @@ def test_missing_prefix_and_empty_split_errors(tmp_path):
     # "969,30,1" over 300 documents leaves the test split empty: megatron-core hangs, we say so
     with pytest.raises(ValueError, match="small.idx: the test split has 0 sequences"):
         build_gpt_datasets(str(tmp_path / "small"), "969,30,1", 8, 1, (10, 2, 1), cache_dir=None)
+
+
+def test_split_strings_megatron_core_reads_and_the_ones_it_misreads():
+    """Plain shares parse as megatron-core's parse_and_normalize_split does; what its digit-run regex misreads
+    ("-1,2,0" -> 1,2,0; "1e3,1" -> 1,3,1; "1.2.3" -> a ValueError) was silently taken too, and is now one
+    DataError naming --split."""
+    from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+
+    from hf_megatron.data import split_bookends
+    from hf_megatron.errors import DataError
+
+    for split in ("969,30,1", "98,2", "1", "90/5/5", "969, 30, 1", "0.5,.25,0.25", "0,1,0"):
+        theirs = parse_and_normalize_split(split)
+        ours = [0.0 if ends is None else ends[1] - ends[0] for ends in split_bookends(split)]
+        np.testing.assert_allclose(ours, theirs, rtol=1e-12, err_msg=split)
+    for split in ("-1,2,0", "1e3,1", "1.2.3,1", "1,,1", "a,b", "1;2;3", "0,0,0"):
+        with pytest.raises(DataError, match=f"^--split '{split}': expected up to three non-negative numbers"):
+            split_bookends(split)

@@ -48,8 +48,12 @@ def parse_blend(blend: Blend) -> tuple[list[str], list[float] | None]:
 
 
 def split_bookends(split: str) -> list[tuple[float, float] | None]:
-    """"969,30,1" -> [(0, .969), (.969, .999), (.999, 1.0)]; a zero share gives None."""
-    values = [float(v) for v in re.findall(r"[.0-9]+", split)]
+    """"969,30,1" -> [(0, .969), (.969, .999), (.999, 1.0)]; a zero share gives None.  Shares are
+    plain decimals separated by commas (or slashes): megatron-core's digit-run regex would read
+    "-1,2,0" as 1,2,0 and "1e3" as 1 and 3, and fail on "1.2.3"; each is refused here."""
+    parts = [part.strip() for part in re.split(r"[,/]", str(split))]
+    number = re.compile(r"\d+(\.\d*)?|\.\d+")
+    values = [float(part) for part in parts] if all(number.fullmatch(part) for part in parts) else []
     if not values or len(values) > 3 or sum(values) <= 0:
         raise DataError(f"--split {split!r}: expected up to three non-negative numbers like '969,30,1'")
     fractions = normalize(values + [0.0] * (3 - len(values)))
