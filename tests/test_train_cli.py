@@ -243,6 +243,32 @@ def test_eval_iters_0_turns_validation_off_and_a_valid_split_without_share_is_wa
                                                  "saved without --save")
 
 
+def test_sft_data_without_sft_and_sequence_parallel_without_tp_are_warned(workspace, tmp_path):
+    """An SFT prefix (its `_loss_mask` beside it) trained without --sft scored every token silently
+    (`evaluate` warned, `train` did not); --sequence-parallel at tp 1 showed sp=on and was recorded
+    in the checkpoint's args, where Megatron-LM's validate_args warns and turns it off."""
+    import shutil
+
+    from hf_megatron.checkpoint.unpickle import safe_load
+    prefix = tmp_path / "chat_sft_document"
+    for suffix in (".bin", ".idx"):  # a stand-in mask: the warning only looks for the file
+        shutil.copy(f"{workspace / 'corpus_text_document'}{suffix}", f"{prefix}{suffix}")
+        shutil.copy(f"{workspace / 'corpus_text_document'}{suffix}", f"{prefix}_loss_mask{suffix}")
+    args = [a if a != workspace / "corpus_text_document" else prefix for a in base_args(workspace, 1)]
+    code, out, err = cli_inprocess(*args)
+    assert code == 0, err
+    assert err.splitlines()[0] == (f"hf-megatron train: warning: --data-path {prefix} is an SFT dataset (it has a "
+                                   "loss mask) trained as pretraining text (every token, packed windows); give --sft "
+                                   "to train on response tokens only")
+    code, out, err = cli_inprocess(*base_args(workspace, 1, "--sequence-parallel", "--save", tmp_path / "sp"))
+    assert code == 0, err
+    assert err.splitlines()[0] == ("hf-megatron train: warning: --sequence-parallel: turned off, as Megatron-LM does, "
+                                   "since tensor parallelism is off (--tensor-model-parallel-size 1)")
+    assert "sp=off" in out
+    assert safe_load(tmp_path / "sp" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")["args"].sequence_parallel \
+        is False
+
+
 def test_logged_learning_rate_is_megatron_lms_lr_after_the_step(workspace, tmp_path):
     """Megatron-LM's train_step steps the scheduler after optimizer.step, then training_log prints
     optimizer.param_groups' lr: the schedule after the step (it showed the lr the step used: 0 at

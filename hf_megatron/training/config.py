@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -426,8 +427,17 @@ class RunConfig(ModelFlags):
     def startup_warnings(self) -> list[str]:
         """Flags Megatron-LM accepts but that do nothing here (one warning line each at startup):
         an --eval-interval over a split without a valid share (--eval-iters 0 is Megatron-LM's way to
-        turn validation off: no warning for it), a --save-interval without --save."""
+        turn validation off: no warning for it), a --save-interval without --save, an SFT dataset (one
+        with the loss mask `preprocess --sft` writes) trained without --sft (every token scored)."""
+        from ..data.builder import parse_blend
+        from ..data.indexed import idx_path
+        from ..data.sft_records import loss_mask_prefix
         lines = []
+        prefixes, _ = parse_blend(self.data_path if len(self.data_path) > 1 else self.data_path[0])
+        sft_data = [p for p in prefixes if os.path.isfile(idx_path(loss_mask_prefix(p)))]
+        if sft_data and not self.sft:
+            lines.append(f"--data-path {sft_data[0]} is an SFT dataset (it has a loss mask) trained as pretraining "
+                         "text (every token, packed windows); give --sft to train on response tokens only")
         if self.eval_interval and self.eval_iters and not self.validates():
             lines.append(f"--eval-interval {self.eval_interval}: no validation runs, the valid split of --split "
                          f"{self.split} has no share")

@@ -12,6 +12,7 @@ One run per --save folder (lock.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -113,9 +114,16 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     from .monitor import Monitor
     from .sampling import sampler_for_run
     from .signals import ExitConditions
+    # Megatron-LM's validate_args: sequence parallelism needs tensor parallelism, else it is turned off
+    sp_alone = cfg.sequence_parallel and cfg.tensor_model_parallel_size == 1
+    if sp_alone:
+        cfg = dataclasses.replace(cfg, sequence_parallel=False)
     monitor = Monitor(cfg, run)  # the banner, before anything slow
     for line in run.startup_warnings():
         monitor.warn(line)
+    if sp_alone:
+        monitor.warn("--sequence-parallel: turned off, as Megatron-LM does, since tensor parallelism is off "
+                     "(--tensor-model-parallel-size 1)")
     sampler = sampler_for_run(run, cfg.seed)  # a bad --tokenizer-model fails here, early
     exits = ExitConditions(run.exit_interval, run.exit_duration_in_mins, run.exit_signal_handler)
     lock = None
