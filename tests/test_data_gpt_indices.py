@@ -204,3 +204,15 @@ def test_split_strings_megatron_core_reads_and_the_ones_it_misreads():
     for split in ("-1,2,0", "1e3,1", "1.2.3,1", "1,,1", "a,b", "1;2;3", "0,0,0"):
         with pytest.raises(DataError, match=f"^--split '{split}': expected up to three non-negative numbers"):
             split_bookends(split)
+
+
+@pytest.mark.parametrize("sizes", [(-5, None, None), (10, 2.5, None), (True, None, None), (10, None)])
+def test_bad_num_samples_is_one_config_error(tmp_path, sizes):
+    """A negative count built a one-epoch train split (single prefix) or hit numpy's 'negative dimensions'
+    (blend); a float or bool was taken as a count.  Now one ConfigError naming num_samples."""
+    from hf_megatron.errors import ConfigError
+
+    write_random_corpus(str(tmp_path / "c"), 50, seed=0)
+    for blend in (str(tmp_path / "c"), f"1 {tmp_path}/c 1 {tmp_path}/c"):
+        with pytest.raises(ConfigError, match="^num_samples: expected \\(train, valid, test\\), each None or an integer"):
+            build_gpt_datasets(blend, "1,1,0", 8, 1, sizes, cache_dir=None)

@@ -15,7 +15,7 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from .blending import normalize
 from .gpt_dataset import BlendedDataset, GPTDataset
 from .indexed import IndexedDataset, open_token_dataset
@@ -104,8 +104,9 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     must not fail on them).
     """
     prefixes, weights = parse_blend(data)
-    if len(num_samples) != 3:
-        raise ValueError(f"num_samples must give (train, valid, test), got {num_samples!r}")
+    if len(num_samples) != 3 or any(n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
+                                                       or n < 0) for n in num_samples):
+        raise ConfigError(f"num_samples: expected (train, valid, test), each None or an integer >= 0, got {num_samples!r}")
     if cache_dir == "auto":
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
     bookends = _used_bookends(split, skip_splits)
