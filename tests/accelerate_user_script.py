@@ -5,7 +5,8 @@
 
 Dynamic padding (each batch padded to its longest sample, attention_mask 0 and labels -100 on
 the padding: lengths that are not a multiple of the tensor-parallel size), the loss and
-`accelerator.clip_grad_norm_`'s norm of each step, eval loss and logits, `accelerator.device`;
+`accelerator.clip_grad_norm_`'s norm of each step, eval loss and logits, `accelerator.device`,
+transformers' `use_cache=False` / `return_dict=False` switches;
 trained twice from the same weights: the usual `prepare(model, optimizer, ...)` and the optimizer
 built on the prepared model's parameters (`model = prepare(model); AdamW(model.parameters())`).
 `--case` makes a user mistake instead (what the user sees is checked): a GPT-2 whose n_head the
@@ -58,7 +59,7 @@ def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool) 
     losses, norms, batches = [], [], iter(loader)
     for _ in range(STEPS):
         batch = next(batches)
-        loss = model(**batch).loss
+        loss = model(**batch, use_cache=False).loss  # transformers' switches a training script passes
         accelerator.backward(loss)
         norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
@@ -67,7 +68,7 @@ def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool) 
     model.eval()
     batch = next(batches)
     with torch.no_grad():
-        loss_only = model(**batch).loss  # Megatron-LM: micro batches, no logits
+        loss_only = model(**batch, return_dict=False)[0]  # Megatron-LM: micro batches, no logits; a tuple
         plugin = getattr(accelerator.state, "megatron_lm_plugin", None)
         if plugin is not None:
             plugin.return_logits = True

@@ -6,6 +6,7 @@ accelerate (one process, the same global batches):
   losses, `accelerator.clip_grad_norm_`'s norms (before clipping), eval loss and logits of plain
   accelerate;
 * an optimizer built on the prepared model's parameters trains as the usual order does;
+* `model(**batch, use_cache=False)` and `return_dict=False` (a tuple) work as in transformers;
 * `accelerator.device` is `cpu`, as plain accelerate's;
 * user mistakes print one line per rank naming the accelerate config field (no traceback).
 

@@ -97,9 +97,16 @@ class MegatronEngine(nn.Module):
     def forward(self, **batch):
         if "input_ids" not in batch or batch["input_ids"] is None:
             raise ConfigError("model(**batch) (Megatron-LM engine): expected an 'input_ids' tensor")
-        if self.training:
-            return self._train(batch)
-        return self._evaluate(batch)
+        # transformers' output switches, as a training script passes them (`model(**batch, use_cache=False)`):
+        # no cache is kept in any case; attentions / hidden states are not returned by the engine
+        batch.pop("use_cache", None)
+        return_dict = batch.pop("return_dict", None)
+        for flag in ("output_attentions", "output_hidden_states"):
+            if batch.pop(flag, None):
+                raise ConfigError(f"model(**batch, {flag}=True) (Megatron-LM engine): not available; the engine returns "
+                                  f"the loss (and logits with MegatronLMPlugin(return_logits=True) in eval mode)")
+        out = self._train(batch) if self.training else self._evaluate(batch)
+        return out if return_dict is None or return_dict else out.to_tuple()  # transformers' return_dict=False
 
     def _train(self, batch: dict):
         if self.optimizer is None:
