@@ -94,3 +94,32 @@ def test_no_load_optim_starts_optimizer_and_schedule_afresh(sources):
     assert payload["opt_param_scheduler"]["num_steps"] == 4
     assert {s["step"].item() for s in payload["optimizer"]["state"].values()} == {1.0}
     assert payload["iteration"] == 3
+
+
+@pytest.mark.parametrize("flags", [("--pretrained-checkpoint", "converted"), ("--finetune", "--load", "base"),
+                                   ("--load", "partial_bf16", "--no-load-optim")])
+def test_bf16_weights_loaded_without_optimizer_state_are_what_is_trained(sources, flags):
+    """With --bf16 the optimizer's fp32 main weights were copied from the model before a weights-only load
+    (--pretrained-checkpoint / --finetune of a Megatron checkpoint, --no-load-optim), so the first update
+    wrote the build-time (uninitialised) values back: NaN at the second step.  Megatron-LM calls
+    optimizer.reload_model_params() there.  The first step runs at lr 0, so the weights after it must be
+    the source's, rounded to bf16: transformers' own weights for the converted checkpoint."""
+    import torch
+    save = sources / f"bf16_{flags[0][2:]}"
+    if "partial_bf16" in flags:  # an fp32 run of its own to resume
+        _finetune(sources, sources / "partial_bf16", 1, "--pretrained-checkpoint", sources / "base")
+    args = [sources / f if f in ("converted", "base", "partial_bf16") else f for f in flags]
+    code, out, err = cli_inprocess(*base_args(sources, 3, *SCHEDULE, "--save", save, "--bf16", *args, config=False))
+    assert code == 0 and "nan" not in err, err[-2000:]
+    first = 2 if "partial_bf16" in flags else 1
+    losses = [float(line.split("| lm loss: ")[1].split(" ")[0]) for line in out.splitlines() if "| lm loss: " in line]
+    assert len(losses) == 4 - first and all(torch.isfinite(torch.tensor(losses)))
+    if flags[1] == "converted":
+        megatron_to_hf(save / "iter_0000001", sources / "bf16_back")
+        expected = {k: v.to(torch.bfloat16) for k, v in AutoModelForCausalLM.from_pretrained(sources / "hf").state_dict().items()}
+        assert_same_weights(AutoModelForCausalLM.from_pretrained(sources / "bf16_back", dtype=torch.bfloat16).state_dict(),
+                            expected)
+    else:
+        source = weights(sources / "base", 2) if "base" in flags else weights(sources / "partial_bf16", 1)
+        assert_same_weights(weights(save, first), {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v
+                                                   for k, v in source.items()})

@@ -373,6 +373,15 @@ class MixedPrecisionOptimizer:
         step = next((int(e["step"]) for e in inner["state"].values() if e.get("step") is not None), 0)
         return to_megatron(inner, self.megatron_order[0], self.main_params, low, scaler, float16, step)
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model's (bf16 / fp16) weights into their fp32 main weights, as megatron-core's
+        `reload_model_params`: Megatron-LM calls it when weights were loaded without optimizer state
+        (--finetune, --no-load-optim), where the copies made when the optimizer was built are stale."""
+        for main, view in zip(self.main_params, self._model_views):
+            if view is not None:
+                main.view(-1).copy_(view.reshape(-1))
+
     def load_state_dict(self, sd: dict, parameter_state: dict | None = None) -> None:
         """`sd` in Megatron-LM's layout (as `state_dict()` writes it) or our previous one; or, with a
         distributed optimizer's `parameter_state` (distrib_optim.pt), only hyper-parameters and

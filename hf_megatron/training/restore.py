@@ -70,6 +70,7 @@ def build_training_state(run: RunConfig, cfg: trainer.TrainingConfig, start: Sta
         if start.megatron_dir is not None:
             for chunk in chunks:  # any saved layout: full tensors, cut for this rank
                 load_megatron_weights(chunk, start.megatron_dir)
+        optimizer.reload_model_params()  # its fp32 main weights were copied from the model before the load
         restored.source = f"fine-tuning from {start.megatron_dir or start.hf_source} (weights only, iteration 0)"
     elif start.kind == "resume":
         info: dict[str, Any] = {}
@@ -77,6 +78,8 @@ def build_training_state(run: RunConfig, cfg: trainer.TrainingConfig, start: Sta
         restored.iteration = load_checkpoint(start.megatron_dir, chunks, optimizer if load_optim else None,
                                              scheduler if load_optim else None, load_rng=False,
                                              scheduler_policy=_scheduler_policy(run), info=info)
+        if not load_optim:  # Megatron-LM's load_checkpoint: optimizer.reload_model_params()
+            optimizer.reload_model_params()
         args = info.get("args")
         saved = info.get("consumed_train_samples")
         if saved is None and isinstance(args, argparse.Namespace):  # Megatron-LM keeps it in args
