@@ -7,8 +7,9 @@ Dynamic padding (each batch padded to its longest sample, attention_mask 0 and l
 the padding: lengths that are not a multiple of the tensor-parallel size), the loss and
 `accelerator.clip_grad_norm_`'s norm of each step, eval loss and logits, `accelerator.device`,
 transformers' `use_cache=False` / `return_dict=False` switches;
-trained twice from the same weights: the usual `prepare(model, optimizer, ...)` and the optimizer
-built on the prepared model's parameters (`model = prepare(model); AdamW(model.parameters())`).
+trained three times from the same weights: the usual `prepare(model, optimizer, ...)`, the optimizer
+built on the prepared model's parameters (`model = prepare(model); AdamW(model.parameters())`), and
+the samples as an IterableDataset.
 `--case` makes a user mistake instead (what the user sees is checked): a GPT-2 whose n_head the
 tensor-parallel degree does not divide, or accelerate's MegatronLMDummyDataLoader.
 """
@@ -45,9 +46,20 @@ def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool) -> dict:
+class Stream(torch.utils.data.IterableDataset):
+    """The samples as a streaming dataset (no length, no sampler)."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+def train(accelerator, arch: str, batch_size: int, optimizer_after_model: bool, iterable: bool = False) -> dict:
     model = tiny_hf_model(arch)
-    loader = DataLoader(samples(model.config.vocab_size), batch_size=batch_size, collate_fn=collate)
+    data = samples(model.config.vocab_size)
+    loader = DataLoader(Stream(data) if iterable else data, batch_size=batch_size, collate_fn=collate)
     if optimizer_after_model:
         model = accelerator.prepare(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -96,6 +108,8 @@ def main():
               "usual": train(accelerator, args.arch, args.batch_size, optimizer_after_model=False)}
     accelerator.free_memory()
     result["optimizer_after_model"] = train(accelerator, args.arch, args.batch_size, optimizer_after_model=True)
+    accelerator.free_memory()
+    result["iterable"] = train(accelerator, args.arch, args.batch_size, optimizer_after_model=False, iterable=True)
     if accelerator.is_main_process:
         torch.save(result, args.out)
 

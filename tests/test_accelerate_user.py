@@ -6,6 +6,7 @@ accelerate (one process, the same global batches):
   losses, `accelerator.clip_grad_norm_`'s norms (before clipping), eval loss and logits of plain
   accelerate;
 * an optimizer built on the prepared model's parameters trains as the usual order does;
+* an IterableDataset (streaming) loader: the tp ranks read the same batches (no dispatching);
 * `model(**batch, use_cache=False)` and `return_dict=False` (a tuple) work as in transformers;
 * `accelerator.device` is `cpu`, as plain accelerate's;
 * user mistakes print one line per rank naming the accelerate config field (no traceback).
@@ -64,7 +65,7 @@ def _compare_with_plain_accelerate(folder: Path, arch: str, tp: int, pp: int, wo
     ours, theirs = torch.load(folder / "megatron.pt"), torch.load(folder / "plain.pt")
     assert ours["distributed_type"] == "DistributedType.MEGATRON_LM" and theirs["distributed_type"] == "DistributedType.NO"
     assert ours["device"] == theirs["device"] == "cpu"
-    for order in ("usual", "optimizer_after_model"):
+    for order in ("usual", "optimizer_after_model", "iterable"):
         a, b = ours[order], theirs[order]
         assert _close(a["losses"], b["losses"]), (order, a["losses"], b["losses"])
         assert _close(a["norms"], b["norms"]), (order, a["norms"], b["norms"])
@@ -74,7 +75,7 @@ def _compare_with_plain_accelerate(folder: Path, arch: str, tp: int, pp: int, wo
         real = b["mask"].bool()  # the collator's padding is unscored; transformers' logits there are its own
         error = (a["logits"][real] - b["logits"][real]).norm() / b["logits"][real].norm()
         assert error <= 5e-5, (order, error)  # after 3 Adam steps at lr 1e-2 (1e-7 noise grows); losses are 1e-5
-    assert ours["usual"]["losses"] == ours["optimizer_after_model"]["losses"]
+    assert ours["usual"]["losses"] == ours["optimizer_after_model"]["losses"] == ours["iterable"]["losses"]
 
 
 def test_dynamic_padding_norms_and_optimizer_order_match_plain_accelerate(tmp_path):

@@ -22,6 +22,7 @@ import torch
 from accelerate.data_loader import DataLoaderShard, prepare_data_loader
 from accelerate.utils.dataclasses import DataLoaderConfiguration
 
+from ...errors import ConfigError
 from ...parallel import state
 
 _LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "prefetch_factor",
@@ -48,12 +49,18 @@ class PositionedLoader(DataLoaderShard):
         current = generator.get_state() if generator is not None else None
         if self._pass_index is None:  # never iterated
             return {"pass": self.iteration, "batches": 0, "generator_state": current}
-        if self._yielded >= len(self):
+        if self._yielded >= self._length():
             # the pass is done, even if the loop has not left it yet: accelerate fetches one batch
             # ahead, so the sampler is exhausted and the generator holds every draw of this pass
             # (torch's RandomSampler draws once more on exhaustion)
             return {"pass": self._pass_index + 1, "batches": 0, "generator_state": current}
         return {"pass": self._pass_index, "batches": self._yielded, "generator_state": self._pass_start}
+
+    def _length(self) -> float:
+        try:
+            return len(self)
+        except TypeError:  # an IterableDataset: no length, the pass ends when it ends
+            return float("inf")
 
     def restore(self, saved: dict[str, Any]) -> None:
         if saved.get("generator_state") is not None and self.synchronized_generator is not None:
@@ -70,12 +77,20 @@ def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device,
     kwargs = {k: getattr(loader, k) for k in _LOADER_KWARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None), kwargs.pop("persistent_workers", None)
-    rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, sampler=loader.sampler,
-                                          drop_last=loader.drop_last, **kwargs)
+    if config.dispatch_batches:
+        raise ConfigError("DataLoaderConfiguration(dispatch_batches=True) is not supported under Megatron-LM: the main "
+                          "process would deal different batches to the tensor / pipeline ranks of one model; leave it "
+                          "unset (each data-parallel rank reads its own share, an IterableDataset too)")
+    iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
+    sampler = {} if iterable else {"sampler": loader.sampler}  # torch refuses a sampler with an IterableDataset
+    rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, drop_last=loader.drop_last,
+                                          **sampler, **kwargs)
     grid = state.get_state()
+    # dispatch_batches False: accelerate's default for an IterableDataset (True) would broadcast the world's main
+    # process's batches over all ranks, each taking its slice -- the tp ranks of one replica would differ
     prepared = prepare_data_loader(rebuilt, device, num_processes=grid.dp, process_index=grid.rank_in("dp"),
                                    split_batches=False, put_on_device=True, rng_types=list(rng_types or []),
-                                   dispatch_batches=config.dispatch_batches, even_batches=config.even_batches,
+                                   dispatch_batches=False, even_batches=config.even_batches,
                                    use_seedable_sampler=config.use_seedable_sampler,
                                    non_blocking=config.non_blocking)
     if type(prepared) is DataLoaderShard:
