@@ -173,10 +173,16 @@ def _errors(rank, world):
     expect("unknown_input", lambda: model.eval()(input_ids=_blocks(2, 300), token_type_ids=_blocks(2, 300)))
     expect("second_model", lambda: accelerator.prepare(tiny_hf_model("gpt2")))
     expect("clip", lambda: accelerator.clip_grad_norm_(model.parameters(), 0.5))
+    expect("clip_value", lambda: accelerator.clip_grad_value_(model.parameters(), 0.5))
     half = [p for n, p in hf.named_parameters() if "c_attn" not in n]
     expect("missing_params", lambda: accelerator.prepare(torch.optim.AdamW(half, lr=1e-3)))
     expect("loader_without_batch_size",
            lambda: accelerator.prepare(DataLoader(list(range(4)), batch_sampler=[[0, 1], [2, 3]])))
+
+    from accelerate.utils import DataLoaderConfiguration
+    _reset_accelerate()
+    dispatching = Accelerator(dataloader_config=DataLoaderConfiguration(dispatch_batches=True))
+    expect("dispatch_batches", lambda: dispatching.prepare(DataLoader(list(range(4)), batch_size=2)))
 
     # any order, several calls: scheduler, then optimizer, then the model they belong to
     from accelerate.utils import MegatronLMDummyScheduler
@@ -202,6 +208,7 @@ def _check_errors(messages):
     expected = {"custom_train_step": "MegatronLMPlugin.custom_train_step_class", "sgd": "SGD",
                 "train_without_optimizer": "no optimizer", "unknown_input": "token_type_ids",
                 "second_model": "second model", "clip": "clip_grad_norm_", "missing_params": "c_attn",
+                "clip_value": "megatron_lm_gradient_clipping", "dispatch_batches": "dispatch_batches=True",
                 "loader_without_batch_size": "batch_size"}
     for key, needle in expected.items():
         assert messages[key] is not None, f"{key}: no error"

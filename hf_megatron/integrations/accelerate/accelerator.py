@@ -268,6 +268,13 @@ class Accelerator(accelerate.Accelerator):
         norm = self._need_engine("clip_grad_norm_").grad_norm
         return None if norm is None else torch.tensor(norm, dtype=torch.float32, device=self.device)
 
+    def clip_grad_value_(self, parameters, clip_value):
+        if not self.megatron:
+            return super().clip_grad_value_(parameters, clip_value)
+        raise ConfigError(f"accelerator.clip_grad_value_(clip_value={clip_value}): under Megatron-LM the engine clips inside "
+                          f"model(**batch) by the total L2 norm (megatron_lm_gradient_clipping="
+                          f"{self.megatron_config.clip_grad}); value clipping is not available")
+
     def _main_rank(self) -> int:
         return self.num_processes - 1  # accelerate's Megatron-LM main process: the last rank
 
