@@ -174,6 +174,7 @@ def _errors(rank, world):
     expect("second_model", lambda: accelerator.prepare(tiny_hf_model("gpt2")))
     expect("clip", lambda: accelerator.clip_grad_norm_(model.parameters(), 0.5))
     expect("clip_value", lambda: accelerator.clip_grad_value_(model.parameters(), 0.5))
+    expect("no_sync", lambda: accelerator.no_sync(model).__enter__())  # a script's own accumulation
     half = [p for n, p in hf.named_parameters() if "c_attn" not in n]
     expect("missing_params", lambda: accelerator.prepare(torch.optim.AdamW(half, lr=1e-3)))
     expect("loader_without_batch_size",
@@ -209,6 +210,7 @@ def _check_errors(messages):
                 "train_without_optimizer": "no optimizer", "unknown_input": "token_type_ids",
                 "second_model": "second model", "clip": "clip_grad_norm_", "missing_params": "c_attn",
                 "clip_value": "megatron_lm_gradient_clipping", "dispatch_batches": "dispatch_batches=True",
+                "no_sync": "accelerator.accumulate(model)",
                 "loader_without_batch_size": "batch_size"}
     for key, needle in expected.items():
         assert messages[key] is not None, f"{key}: no error"

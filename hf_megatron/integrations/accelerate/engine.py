@@ -17,6 +17,7 @@ group (every rank gets it, in every pipeline stage); with `return_logits` the ou
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -151,6 +152,18 @@ class MegatronEngine(nn.Module):
         micro = self._split(batch)
         loss = trainer.evaluate(list(self.chunks), micro)
         return _output(torch.tensor(loss, device=micro[0]["targets"].device))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's no_sync, which accelerate's `accumulate` enters for a batch that does not sync: such a
+        call already only accumulates.  A script's own accumulation (`with accelerator.no_sync(model):`
+        around some batches) cannot work: each model(**batch) is a whole step and the loss the script
+        divides is not the one back-propagated -- refused rather than k updates instead of one."""
+        if self.accelerator.sync_gradients:
+            raise ConfigError("accelerator.no_sync(model) under Megatron-LM: each model(**batch) is a whole train step; "
+                              "accumulate with Accelerator(gradient_accumulation_steps=k) and "
+                              "`with accelerator.accumulate(model):` instead")
+        yield
 
     def save_checkpoint(self, output_dir) -> None:
         """accelerate's engine API: `accelerator.save_state(output_dir)` is the way to call it."""
