@@ -143,7 +143,7 @@ def test_train_samples_schedule_spans_the_samples_as_megatron_lms(workspace):
                                  "model_optim_rng.pt")["opt_param_scheduler"]
     reference = scheduler.state_dict()
     for key in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "num_steps"):
-        assert saved[key] == reference[key], key
+        assert saved[key] == reference[key] and type(saved[key]) is type(reference[key]), key
 
 
 def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(workspace):

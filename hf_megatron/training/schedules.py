@@ -83,11 +83,11 @@ class LRScheduler:
         """Megatron's `opt_param_scheduler` entry (steps in samples)."""
         n = self.samples_per_iter
         out = {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters * n,
-               "lr_decay_steps": self.decay_iters * n, "lr_decay_style": self.decay_style,
+               "lr_decay_steps": _whole(self.decay_iters * n), "lr_decay_style": self.decay_style,
                "num_steps": self.num_steps * n}
         if self.weight_decay is not None and self.train_iters is not None:
             out.update(start_wd=float(self.weight_decay), end_wd=float(self.weight_decay), wd_incr_style="constant",
-                       wd_incr_steps=self.train_iters * n)
+                       wd_incr_steps=_whole(self.train_iters * n))
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -101,3 +101,9 @@ class LRScheduler:
                              f"batch size {self.samples_per_iter}")
         self.num_steps = samples // self.samples_per_iter
         self._apply()
+
+
+def _whole(samples):
+    """A sample count as Megatron-LM stores it: an int (a --train-samples horizon is train_samples / global
+    batch steps here, a float whose product with the batch is whole)."""
+    return int(round(samples)) if abs(samples - round(samples)) < 1e-9 else samples
