@@ -176,6 +176,10 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
         (["--data-cache-path", a_file / "cache"],
          f"error: --data-cache-path {a_file / 'cache'}: expected a folder, {a_file} is a file"),
         (["--save", a_file / "ckpt"], f"error: --save {a_file / 'ckpt'}: expected a folder, {a_file} is a file"),
+        # was "num_layers=2 is not divisible by 4 pipeline chunks; pass an explicit per-stage layer list" (no flag)
+        (["--pipeline-model-parallel-size", 2, "--virtual-pipeline-model-parallel-size", 2],
+         "error: --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2 = 4 model chunks: "
+         "expected a divisor of the model's 2 layers"),
     ]
     for extra, expected in cases:
         started = time.perf_counter()

@@ -109,7 +109,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
     from ..errors import ConfigError, DataError
     from ..parallel import state
     from ..training.monitor import logging_rank, ppl
-    from ..training.preflight import check_model_fits, check_output_folders
+    from ..training.preflight import check_model_fits, check_output_folders, check_pipeline_split
     from ..training.pretrain import _evaluate, init_distributed
 
     check_output_folders(ecfg)
@@ -119,6 +119,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
     model_config = _model_config(ecfg)
     seq_length = ecfg.seq_length or min(1024, model_config.max_position_embeddings)
     check_model_fits(seq_length, model_config)  # as train: one line, before the model is built
+    check_pipeline_split(cfg, model_config)
     data = " ".join(ecfg.data_path)
     _, weights = parse_blend(ecfg.data_path if len(ecfg.data_path) > 1 else ecfg.data_path[0])
     device = init_distributed()

@@ -15,7 +15,7 @@ from ..config import ModelConfig
 from ..data.builder import SPLITS, parse_blend, split_bookends
 from ..data.cache import check_output_folder
 from ..data.indexed import IndexedDataset
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, ParallelConfigError
 from .config import RunConfig
 
 
@@ -47,6 +47,17 @@ def check_model_fits(seq_length: int, config: ModelConfig) -> None:
     if config.position_embedding_type == "learned_absolute" and seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length}: expected at most the model's {config.max_position_embeddings} "
                           "positions (max_position_embeddings / n_positions of its config)")
+
+
+def check_pipeline_split(cfg, config: ModelConfig) -> None:
+    """`train` and `evaluate`: the pipeline chunks (stages x virtual chunks) split the layers evenly
+    (there is no flag for an uneven split), named by the flags."""
+    pp, vpp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1
+    if config.num_layers % (pp * vpp):
+        flags = f"--pipeline-model-parallel-size {pp}" + (
+            f" x --virtual-pipeline-model-parallel-size {vpp} = {pp * vpp} model chunks" if vpp > 1 else "")
+        raise ParallelConfigError(f"{flags}: expected a divisor of the model's {config.num_layers} layers (each "
+                                  "chunk holds the same number of layers)")
 
 
 def check_output_folders(run) -> None:
