@@ -299,3 +299,22 @@ def test_logged_learning_rate_is_megatron_lms_lr_after_the_step(workspace, tmp_p
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
     logged = [e.value for e in events.Scalars("learning-rate")]
     assert logged == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_load_saved_in_another_layout_names_the_reshard_command(workspace, tmp_path):
+    """A checkpoint of another pp layout failed on its first missing rank folder ('rank folder missing');
+    the message now says what README's 'Resume in another layout' does: the reshard command line."""
+    import subprocess
+    import sys
+
+    from train_cli import env
+    source = tmp_path / "pp1"
+    assert _train(workspace, source, 1)[0] == 0
+    done = subprocess.run([sys.executable, "-m", "hf_megatron.cli", "reshard", "--src", str(source), "--out",
+                           str(tmp_path / "pp2"), "--tp", "1", "--pp", "2", "--with-optimizer"],
+                          capture_output=True, text=True, env=env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    line = _error(_train(workspace, tmp_path / "next", 2, "--load", tmp_path / "pp2"))
+    assert line == (f"hf-megatron train: error: {tmp_path / 'pp2' / 'iter_0000001'}: saved with tp=1, pp=2 but this run "
+                    "has tp=1, pp=1; reshard it first (README: Resume in another layout): `hf-megatron reshard --src "
+                    f"{tmp_path / 'pp2'} --out NEW --tp 1 --pp 1 --with-optimizer`, then --load NEW")

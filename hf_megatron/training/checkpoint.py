@@ -163,13 +163,15 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
 
 # ------------------------------------------------------------------ load
 
-def _check_layout(saved_args: Any, path: Path) -> None:
+def _check_layout(saved_args: Any, path: Path, load_dir=None) -> None:
     st = state.get_state()
     saved_tp = getattr(saved_args, "tensor_model_parallel_size", None)
     saved_pp = getattr(saved_args, "pipeline_model_parallel_size", None)
     if (saved_tp, saved_pp) != (None, None) and (saved_tp, saved_pp) != (st.tp, st.pp):
+        source = load_dir if load_dir is not None else "SRC"
         raise CheckpointError(f"{path}: saved with tp={saved_tp}, pp={saved_pp} but this run has tp={st.tp}, "
-                              f"pp={st.pp}; convert it first with `hf-megatron reshard --tp {st.tp} --pp {st.pp}`")
+                              f"pp={st.pp}; reshard it first (README: Resume in another layout): `hf-megatron reshard "
+                              f"--src {source} --out NEW --tp {st.tp} --pp {st.pp} --with-optimizer`, then --load NEW")
 
 
 SCHEDULER_SHAPE = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style")
@@ -232,12 +234,17 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     folder, resolved = resolve_iteration_dir(load_dir, iteration)
     torch_dist = is_torch_dist_folder(folder)  # megatron-core's global tensors: any layout (torch_dist_resume.py)
+    if not torch_dist and not (folder / rank_dir_name(tp_rank, pp_rank, pp_size)).is_dir():
+        saved_tp, saved_pp = saved_layout(folder)  # this rank's folder is missing: another layout?
+        if saved_tp:
+            _check_layout(argparse.Namespace(tensor_model_parallel_size=saved_tp, pipeline_model_parallel_size=saved_pp),
+                          folder, load_dir)
     payload, iteration, path = read_torch_dist(folder, resolved, chunks, optimizer) if torch_dist else \
         read_rank_file(load_dir, tp_rank, pp_rank, pp_size, iteration)
     if info is not None:
         info.update(info_entries(payload), rng_state=payload.get("rng_state"), path=path)
     if not torch_dist:
-        _check_layout(payload.get("args"), path)
+        _check_layout(payload.get("args"), path, load_dir)
     for key, chunk in zip(model_keys(len(chunks)), chunks):
         if not isinstance(payload.get(key), dict):
             raise CheckpointError(f"{path}: no {key!r} entry (found {sorted(k for k in payload if str(k).startswith('model'))}); "
