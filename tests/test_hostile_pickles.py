@@ -4,7 +4,8 @@ must end in a one-line CheckpointError, with no marker.
 
 Readers: the rank-file loader (`safe_load`), torch-format `open_megatron`, training's
 `load_checkpoint`, `checkpoint_info`, `load_megatron_weights`, torch_dist's `.metadata`,
-its `common.pt`, its DCP byte entries and tensor data, and `hf-megatron convert megatron-to-hf`
+its `common.pt`, its DCP byte entries and tensor data, accelerate's `load_state` of a
+`register_for_checkpointing` object (`custom_checkpoint_<i>.pkl`), and `hf-megatron convert megatron-to-hf`
 (in process for every payload, as a subprocess for a few)."""
 from __future__ import annotations
 
@@ -250,6 +251,14 @@ def _refusal(reader: str, root: Path, raw: bytes, model, out: Path, capsys) -> s
             reader_ = TorchDistCheckpoint.__new__(TorchDistCheckpoint)  # the tensor path alone (no args)
             reader_.folder, reader_.metadata = folder, SafeReader(str(folder)).read_metadata()
             reader_._read("decoder.layers.mlp.linear_fc1.weight", 0)
+        elif reader == "accelerate custom_checkpoint":  # load_state of a register_for_checkpointing object
+            from types import SimpleNamespace
+
+            from hf_megatron.integrations.accelerate.state_io import _load_custom_objects
+            root.mkdir()
+            (root / "custom_checkpoint_0.pkl").write_bytes(as_torch)
+            _load_custom_objects(SimpleNamespace(_custom_objects=[torch.optim.lr_scheduler.LambdaLR(
+                torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), lambda step: 1.0)]), root)
         elif reader == "torch_dist common.pt":
             open_megatron(_dist_root(root, common=as_torch))
         else:
@@ -261,7 +270,7 @@ def _refusal(reader: str, root: Path, raw: bytes, model, out: Path, capsys) -> s
 
 READERS = ["safe_load", "open_megatron", "load_checkpoint", "checkpoint_info", "load_megatron_weights", "cli",
            "torch_dist .metadata", "torch_dist .metadata via cli", "torch_dist common.pt", "torch_dist byte entry",
-           "torch_dist tensor data"]
+           "torch_dist tensor data", "accelerate custom_checkpoint"]
 
 
 @pytest.mark.parametrize("reader", READERS)

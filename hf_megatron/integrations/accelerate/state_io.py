@@ -16,7 +16,8 @@ positions; a model prepared from `init_empty_weights` gets its weights here.
 
 The rest is accelerate's own `save_state` / `load_state`: `register_for_checkpointing` objects as
 `custom_checkpoint_<i>.pkl` (their `state_dict()`, written by the main process; loaded back on every
-rank with accelerate's `load_custom_state`, a full unpickle as accelerate does it), the save / load
+rank by our allow-list unpickler -- accelerate's `load_custom_state` unpickles anything; a state
+holding another type than tensors, containers and plain values is refused in one line), the save / load
 pre-hooks (called as accelerate's Megatron-LM path calls them: no weights list, no models on load),
 `ProjectConfiguration(automatic_checkpoint_naming=True)`: every save goes to
 `<project_dir>/checkpoints/checkpoint_<save_iteration>` (a given folder is ignored, as in accelerate),
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from accelerate.checkpointing import load_custom_state
 
+from ...checkpoint.unpickle import safe_load
 from ...errors import ConfigError
 from ...training.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from .loaders import PositionedLoader
@@ -120,7 +121,9 @@ def _load_custom_objects(accelerator, folder: Path) -> None:
                           f"{len(accelerator._custom_objects)} object(s) are registered with "
                           f"register_for_checkpointing; register the same objects as when it was saved")
     for index, obj in enumerate(accelerator._custom_objects):
-        load_custom_state(obj, os.fspath(folder), index)
+        # accelerate unpickles these with weights_only=False; ours runs no code named in the file: tensors,
+        # containers and plain values load, anything else is one line naming the file and the type
+        obj.load_state_dict(safe_load(folder / f"custom_checkpoint_{index}.pkl"))
 
 
 def save_state(accelerator, engine, output_dir=None) -> str:
