@@ -91,7 +91,10 @@ class TrainingConfig:
     ddp_bucket_size: int | None = option(None, group="parallelism", at_least=1,
                                          help="elements per dp-reduction bucket (default: max(40M, 1M x dp))")
     recompute_granularity: str | None = option(None, group="training", choices=RECOMPUTE_GRANULARITIES,
-                                               help="activation recomputation (default: none)")
+                                               help="activation recomputation: selective = core attention, "
+                                                    "full = every transformer layer from its input (Megatron-LM's "
+                                                    "full with --recompute-method uniform --recompute-num-layers 1, "
+                                                    "flags not offered) (default: none)")
     torch_compile: bool | None = option(
         None, group="speed", off_switch="--no-torch-compile",
         help="torch.compile each transformer layer and the loss (regional compile); default: on when the model "
