@@ -180,6 +180,9 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
         (["--pipeline-model-parallel-size", 2, "--virtual-pipeline-model-parallel-size", 2],
          "error: --pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2 = 4 model chunks: "
          "expected a divisor of the model's 2 layers"),
+        # megatron-core's DynamicGradScaler asserts min_scale <= initial_scale (it was accepted)
+        (["--fp16", "--initial-loss-scale", 1, "--min-loss-scale", 10],
+         "error: TrainingConfig.min_loss_scale (--min-loss-scale): expected at most --initial-loss-scale 1, got 10"),
     ]
     for extra, expected in cases:
         started = time.perf_counter()

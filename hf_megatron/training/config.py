@@ -198,6 +198,10 @@ class TrainingConfig:
         if self.lr_decay_style != "constant" and horizon is not None and horizon <= self.warmup_iters:
             raise ConfigError(f"TrainingConfig.lr_warmup_iters (--lr-warmup-iters): expected fewer than the decay "
                               f"horizon {horizon} (--lr-decay-iters, else --train-iters), got {self.lr_warmup_iters}")
+        if self.fp16 and self.loss_scale is None and self.min_loss_scale > self.initial_loss_scale:
+            # megatron-core's DynamicGradScaler asserts min_scale <= initial_scale
+            raise ConfigError(f"TrainingConfig.min_loss_scale (--min-loss-scale): expected at most --initial-loss-scale "
+                              f"{self.initial_loss_scale:g}, got {self.min_loss_scale:g}")
         if self.min_lr > self.lr:
             raise ConfigError(f"TrainingConfig.min_lr (--min-lr): expected at most --lr {self.lr}, got {self.min_lr}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
