@@ -140,10 +140,22 @@ def test_train_samples_schedule_spans_the_samples_as_megatron_lms(workspace):
         expected.append(optimizer.param_groups[0]["lr"])
     assert learning_rates(out) == [f"{lr:.3e}" for lr in expected]
     saved = safe_load(workspace / "samples_horizon" / "iter_0000003" / "mp_rank_00" /
-                                 "model_optim_rng.pt")["opt_param_scheduler"]
+                      "model_optim_rng.pt")["opt_param_scheduler"]
     reference = scheduler.state_dict()
     for key in ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "num_steps"):
         assert saved[key] == reference[key] and type(saved[key]) is type(reference[key]), key
+    # a changed global batch leaves a schedule in samples as it is: Megatron-LM resumes it without
+    # --override-opt_param-scheduler, at iteration 3 of 14 // 2 = 7 (an iteration-based one needs the flag)
+    code, out, err = cli_inprocess(*base_args(workspace, None, "--train-samples", samples, "--lr-warmup-fraction",
+                                              0.25, "--lr-decay-style", "cosine", "--min-lr", 1e-4,
+                                              "--global-batch-size", 2, "--load", workspace / "samples_horizon",
+                                              "--save", workspace / "samples_horizon"))
+    assert code == 0, err
+    expected = []
+    for _ in range(samples // 2 - 3):
+        scheduler.step(increment=2)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert "iteration      4/7" in out and learning_rates(out) == [f"{lr:.3e}" for lr in expected]
 
 
 def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(workspace):
