@@ -87,6 +87,8 @@ def test_log_shows_banner_fields_saves_and_summary(run):
     assert lines[0].startswith("hf-megatron train: 1 process | tp=1 pp=1 dp=1 vpp=1 sp=off | fp32 | cpu")
     assert lines.index("building model ...") < next(i for i, x in enumerate(lines) if x.startswith("model built"))
     assert any(re.match(r"  sample_prompt \.+ def __init__\(self$", x) for x in lines)  # every argument
+    # the model comes from --hf-config: the model-shape flags' defaults (LayerNorm, learned positions) are not shown
+    assert not any(re.match(r"  (normalization|position_embedding_type|swiglu) \.+", x) for x in lines)
     hf = tiny_hf_model("llama")  # parameters: transformers' count plus Megatron's vocab padding (untied: x2)
     config = hf.config
     padded = -(-config.vocab_size // 128) * 128

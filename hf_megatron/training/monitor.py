@@ -132,7 +132,12 @@ class Monitor:
         self.print("building model ...")
 
     def arguments(self) -> dict:
-        return {f.name: getattr(c, f.name) for c in (self.cfg, self.run) for f in dataclasses.fields(c)}
+        """Every argument, as Megatron-LM prints them; the model-shape flags only when the model is built
+        from them (with --hf-config / --hf-model / --load their defaults describe nothing that runs)."""
+        from .model_flags import ModelFlags
+        shape = set() if self.run.model_flags_given() else {f.name for f in dataclasses.fields(ModelFlags)}
+        return {f.name: getattr(c, f.name) for c in (self.cfg, self.run) for f in dataclasses.fields(c)
+                if f.name not in shape}
 
     def kernels(self, config) -> str:
         from ..kernels import enabled, kernels_available
