@@ -81,6 +81,28 @@ def test_fp16_with_default_flags_logs_skipped_steps_and_finishes(workspace):
     assert code == 0 and _summary(workspace / "fp16_static")["skipped_iterations"] == 2  # static: never lowered
 
 
+def test_loss_scale_applies_in_bf16_and_is_warned_where_megatron_core_has_no_scaler(workspace):
+    """megatron-core gives bf16 (and the distributed optimizer) a constant grad scaler when --loss-scale is given."""
+    def losses(out):
+        return [x.split("| lm loss: ")[1].split(" ")[0] for x in out.splitlines() if x.startswith(" iteration")]
+
+    code, plain, err = _train(workspace, workspace / "bf16_plain", 3, "--bf16")
+    assert code == 0, err[-2000:]
+    # a power of two scales and unscales bf16 / fp32 gradients exactly: the same run
+    code, scaled, err = _train(workspace, workspace / "bf16_scaled", 3, "--bf16", "--loss-scale", 1024)
+    assert code == 0 and "warning" not in err, err[-2000:]
+    assert "bf16 (fp32 main weights, static loss scale 1024)" in scaled.splitlines()[0]
+    assert losses(scaled) == losses(plain) and len(losses(plain)) == 3
+    # a scale that overflows the scaled loss: every step is skipped, as megatron-core's found_inf does
+    code, out, err = _train(workspace, workspace / "bf16_huge", 2, "--bf16", "--loss-scale", 1e38)
+    assert code == 0, err[-2000:]
+    assert out.count("| grad norm: skipped |") == 2 and _summary(workspace / "bf16_huge")["skipped_iterations"] == 2
+    code, out, err = _train(workspace, workspace / "fp32_scale", 1, "--loss-scale", 1024)
+    assert code == 0 and err.splitlines()[0] == (
+        "hf-megatron train: warning: --loss-scale 1024: not applied in fp32 without --use-distributed-optimizer "
+        "(megatron-core's FP32Optimizer has no loss scaler)")
+
+
 @pytest.mark.parametrize("where, expected", [
     ("missing", "no such folder; a --load without a checkpoint is accepted only when it is this run's --save"),
     ("iter", "an iteration folder; give the checkpoint folder that holds latest_checkpointed_iteration.txt"),

@@ -64,7 +64,9 @@ class TrainingConfig:
     bf16: bool = option(False, group="mixed precision", help="bf16 weights and compute, fp32 main weights")
     fp16: bool = option(False, group="mixed precision", help="fp16 weights and compute, fp32 main weights, loss scaling")
     loss_scale: float | None = option(None, group="mixed precision", above=0.0,
-                                      help="fp16: static loss scale (default: dynamic loss scaling)")
+                                      help="static loss scale: fp16 (default: dynamic loss scaling), bf16 and the "
+                                           "distributed optimizer (megatron-core's constant scaler: an overflowing "
+                                           "step is skipped); fp32 without the distributed optimizer has none")
     initial_loss_scale: float = option(2.0 ** 32, group="mixed precision", above=0.0,
                                        help="fp16: initial dynamic loss scale")
     min_loss_scale: float = option(1.0, group="mixed precision", above=0.0, help="fp16: minimum dynamic loss scale")

@@ -115,7 +115,10 @@ class Monitor:
             scaling = f"static loss scale {cfg.loss_scale:g}" if cfg.loss_scale else \
                 f"dynamic loss scale from {cfg.initial_loss_scale:g}"
             return f"fp16 ({scaling}, fp32 main weights)"
-        return "bf16 (fp32 main weights)" if cfg.bf16 else "fp32"
+        static = f", static loss scale {cfg.loss_scale:g}" if cfg.loss_scale is not None else ""
+        if cfg.bf16:
+            return f"bf16 (fp32 main weights{static})"
+        return f"fp32 (static loss scale {cfg.loss_scale:g})" if static and cfg.use_distributed_optimizer else "fp32"
 
     def banner(self) -> None:
         """First output, before anything slow: layout, device, precision, every argument."""

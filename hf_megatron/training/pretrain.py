@@ -84,8 +84,14 @@ class NonFiniteError(HFMegatronError, FloatingPointError):
 def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
     """A skipped step in fp32/bf16 (no loss scale to blame): a NaN or inf in some gradient, which a
     non-finite loss always leads to.  The optimizer's inf check is all-reduced, so every rank (every
-    pipeline stage, too, where only the last one sees the loss) decides alike."""
-    return not cfg.fp16 and stats["skipped"]
+    pipeline stage, too, where only the last one sees the loss) decides alike.  With a constant
+    --loss-scale in bf16 / under the distributed optimizer (megatron-core's ConstantGradScaler) a
+    skipped step with a finite loss is that scale's overflow, counted as skipped, not as NaN."""
+    if cfg.fp16:
+        return False
+    if cfg.loss_scale is not None and (cfg.bf16 or cfg.use_distributed_optimizer):
+        return stats["skipped"] and not math.isfinite(stats["loss"])
+    return stats["skipped"]
 
 
 def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
@@ -122,6 +128,9 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
     monitor = Monitor(cfg, run)  # the banner, before anything slow
     for line in run.startup_warnings():
         monitor.warn(line)
+    if cfg.loss_scale is not None and not (cfg.fp16 or cfg.bf16 or cfg.use_distributed_optimizer):
+        monitor.warn(f"--loss-scale {cfg.loss_scale:g}: not applied in fp32 without --use-distributed-optimizer "
+                     "(megatron-core's FP32Optimizer has no loss scaler)")
     if sp_alone:
         monitor.warn("--sequence-parallel: turned off, as Megatron-LM does, since tensor parallelism is off "
                      "(--tensor-model-parallel-size 1)")

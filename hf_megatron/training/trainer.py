@@ -74,7 +74,11 @@ def build_optimizer(chunks, cfg: TrainingConfig, groups: list[dict] | None = Non
         dynamic = cfg.loss_scale is None
         scaler = LossScaler(cfg.initial_loss_scale if dynamic else cfg.loss_scale, dynamic=dynamic,
                             min_scale=cfg.min_loss_scale, window=cfg.loss_scale_window, hysteresis=cfg.hysteresis)
-    else:
+    elif cfg.loss_scale is not None and (cfg.bf16 or cfg.use_distributed_optimizer):
+        # megatron-core's get_megatron_optimizer: a constant grad scaler whenever --loss-scale is given to a
+        # mixed-precision or distributed optimizer (bf16 too: an overflowing step is skipped, as in fp16)
+        scaler = LossScaler(cfg.loss_scale)
+    else:  # fp32 without the distributed optimizer: megatron-core's FP32Optimizer has no scaler
         scaler = LossScaler()
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                   clip_grad=cfg.clip_grad, loss_scaler=scaler, overlap_grad_reduce=cfg.overlap_grad_reduce,
