@@ -216,3 +216,17 @@ def test_bad_num_samples_is_one_config_error(tmp_path, sizes):
     for blend in (str(tmp_path / "c"), f"1 {tmp_path}/c 1 {tmp_path}/c"):
         with pytest.raises(ConfigError, match="^num_samples: expected \\(train, valid, test\\), each None or an integer"):
             build_gpt_datasets(blend, "1,1,0", 8, 1, sizes, cache_dir=None)
+
+
+@pytest.mark.parametrize("seq_length, cache", [(1, None), (0, None), (8.0, None), (8, "file")])
+def test_bad_seq_length_or_a_file_as_cache_dir_is_one_config_error(tmp_path, seq_length, cache):
+    """Were a ValueError from the index builder and a FileExistsError from os.makedirs."""
+    from hf_megatron.errors import ConfigError
+
+    write_random_corpus(str(tmp_path / "c"), 50, seed=0)
+    (tmp_path / "file").write_text("not a folder")
+    cache_dir = str(tmp_path / "file" / "cache") if cache else None
+    expected = "^cache_dir .*/file/cache: expected a folder, .*/file is a file$" if cache else \
+        f"^seq_length: expected an integer >= 2 \\(tokens per sample\\), got {seq_length!r}$"
+    with pytest.raises(ConfigError, match=expected):
+        build_gpt_datasets(str(tmp_path / "c"), "1,1,0", seq_length, 1, (10, 2, None), cache_dir=cache_dir)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import ConfigError, DataError
 from .blending import normalize
+from .cache import check_output_folder
 from .gpt_dataset import BlendedDataset, GPTDataset
 from .indexed import IndexedDataset, open_token_dataset
 from .sft import build_sft_datasets
@@ -107,8 +108,12 @@ def build_gpt_datasets(data: Blend, split: str = "969,30,1", seq_length: int = 1
     if len(num_samples) != 3 or any(n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer))
                                                        or n < 0) for n in num_samples):
         raise ConfigError(f"num_samples: expected (train, valid, test), each None or an integer >= 0, got {num_samples!r}")
+    if isinstance(seq_length, bool) or not isinstance(seq_length, (int, np.integer)) or seq_length < 2:
+        raise ConfigError(f"seq_length: expected an integer >= 2 (tokens per sample), got {seq_length!r}")
     if cache_dir == "auto":
         cache_dir = os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    if cache_dir is not None:
+        check_output_folder("cache_dir", cache_dir)
     bookends = _used_bookends(split, skip_splits)
     extra = bool(add_extra_token)
     indexed = [_open(p) for p in prefixes]
