@@ -4,7 +4,7 @@ runs it under `accelerate launch` with a Megatron-LM config and as `python` with
     python accelerate_checkpoint_script.py OUT.pt --batch_size B
 
 `Accelerator(gradient_accumulation_steps=2)` with `accelerator.accumulate(model)`, clipping and a
-transformers cosine schedule; a `register_for_checkpointing` counter and a save pre-hook;
+transformers cosine schedule sized from the unprepared loader; a `register_for_checkpointing` counter and a save pre-hook;
 `ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2)` with `save_state()` every
 second update; then, as a resumed run would, a fresh model / optimizer / schedule prepared again,
 `load_state()` of a mid-epoch checkpoint and `skip_first_batches` for the rest of the epoch; and
@@ -50,7 +50,11 @@ def prepared(accelerator, batch_size: int):
     loader = DataLoader(data, batch_size=batch_size, collate_fn=lambda b: {"input_ids": torch.stack(b),
                                                                           "labels": torch.stack(b)})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, 1, UPDATES)
+    # sized as accelerate's examples size it, from the loader before prepare: accelerate steps the schedule
+    # once per batch of this loader (num_processes -- under Megatron dp x num_micro_batches -- steps an update);
+    # the warmup one update's worth of them
+    steps = len(loader) // ACCUMULATE
+    scheduler = get_cosine_schedule_with_warmup(optimizer, steps // UPDATES, steps)
     return accelerator.prepare(model, optimizer, loader, scheduler)
 
 

@@ -46,7 +46,9 @@ def _blocks(tokenizer, path: Path) -> torch.Tensor:
 
 
 def _reference(ws: dict, global_batch: int, accumulation: int):
-    """Plain transformers: the same groups, schedule, clipping and accumulation on global batches."""
+    """Plain transformers: the same groups, schedule, clipping and accumulation on global batches.
+    The schedule as plain accelerate runs the script with one process per micro batch of a global
+    batch: sized from a loader of micro batches and stepped once per process after every update."""
     tokenizer = AutoTokenizer.from_pretrained(ws["model"])
     model = AutoModelForCausalLM.from_pretrained(ws["model"], dtype=torch.float32)
     train = _blocks(tokenizer, ws["train"]).split(global_batch)
@@ -56,7 +58,8 @@ def _reference(ws: dict, global_batch: int, accumulation: int):
               {"params": [p for n, p in model.named_parameters() if any(k in n for k in no_decay)],
                "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=LR)
-    scheduler = get_linear_schedule_with_warmup(optimizer, WARMUP, len(train) * EPOCHS // accumulation)
+    micro_batches = -(-len(_blocks(tokenizer, ws["train"])) // MICRO)  # len() of the script's unprepared loader
+    scheduler = get_linear_schedule_with_warmup(optimizer, WARMUP, micro_batches * EPOCHS // accumulation)
     losses, accuracies = [], []
     for _ in range(EPOCHS):
         for i, batch in enumerate(train):
@@ -66,7 +69,8 @@ def _reference(ws: dict, global_batch: int, accumulation: int):
             if (i + 1) % accumulation == 0 or i + 1 == len(train):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
-                scheduler.step()
+                for _ in range(global_batch // MICRO):  # dp x num_micro_batches
+                    scheduler.step()
                 optimizer.zero_grad()
         with torch.no_grad():
             evals = _blocks(tokenizer, ws["validation"])

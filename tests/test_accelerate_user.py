@@ -13,7 +13,13 @@ accelerate (one process, the same global batches):
 
 and tests/accelerate_checkpoint_script.py the same way: gradient accumulation, a transformers cosine
 schedule, register_for_checkpointing, automatic checkpoint naming with total_limit and a mid-epoch
-resume (load_state + skip_first_batches) give plain accelerate's losses, lrs, norms and folders.
+resume (load_state + skip_first_batches) give plain accelerate's losses, lrs, norms and folders;
+
+and tests/accelerate_schedule_script.py at dp 2 against plain accelerate with 2 processes (torchrun):
+a transformers / torch LR schedule sized from the unprepared loader steps as accelerate's
+AcceleratedScheduler steps it (dp x num_micro_batches steps per update, on sync steps only under
+accumulation, once per call with step_scheduler_with_optimizer=False, OneCycleLR's total_steps
+respected), so the lr of every update and the losses are plain accelerate's.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -142,3 +149,97 @@ def test_checkpointing_as_accelerate_documents_it_matches_plain_accelerate(tmp_p
         assert ours[key] == theirs[key] == expected, (key, ours[key], theirs[key])
     newest = tmp_path / "megatron" / "proj" / "checkpoints" / "checkpoint_2"
     assert (newest / "custom_checkpoint_0.pkl").is_file() and (newest / "latest_checkpointed_iteration.txt").is_file()
+
+
+SCHEDULE_SCRIPT = Path(__file__).with_name("accelerate_schedule_script.py")
+SCHEDULE_CASES = ("linear", "accumulate", "manual", "onecycle")
+
+
+def _compare_schedules_with_plain_accelerate(folder: Path, tp: int, world: int, num_micro: int, samples: int) -> None:
+    """Megatron at dp = world / tp with num_micro micro batches of 2 against plain accelerate with
+    dp x num_micro processes reading batches of 2: the same script, the same global batches."""
+    config = write_megatron_config(folder / "megatron.yaml", world, tp, 1, num_micro, tp > 1)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    common = [str(SCHEDULE_SCRIPT), "out.pt", "--batch_size", "2", "--samples", str(samples)]
+    (folder / "megatron").mkdir()
+    (folder / "plain").mkdir()
+    megatron = subprocess.run([str(accelerate), "launch", "--config_file", str(config), *common], capture_output=True,
+                              text=True, timeout=300, env=_env(), cwd=folder / "megatron")
+    assert megatron.returncode == 0, (megatron.stdout + megatron.stderr)[-6000:]
+    processes = world // tp * num_micro
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
+    plain = subprocess.run([*torchrun, *common], capture_output=True, text=True, timeout=300,
+                           env=dict(_env(), ACCELERATE_USE_CPU="true"), cwd=folder / "plain")
+    assert plain.returncode == 0, (plain.stdout + plain.stderr)[-6000:]
+    ours, theirs = torch.load(folder / "megatron" / "out.pt"), torch.load(folder / "plain" / "out.pt")
+    assert ours["distributed_type"] == "DistributedType.MEGATRON_LM", ours["distributed_type"]
+    assert theirs["distributed_type"] == "DistributedType.MULTI_CPU" and theirs["num_processes"] == processes
+    for case in SCHEDULE_CASES:
+        a, b = ours[case], theirs[case]
+        assert a["steps"] == b["steps"] and len(a["lrs"]) == len(b["lrs"]) > 4, (case, a, b)
+        assert _close(a["lrs"], b["lrs"], 1e-12) and _close(a["used"], b["used"], 1e-12), (case, a["lrs"], b["lrs"])
+        assert _close(a["losses"], b["losses"]), (case, a["losses"], b["losses"])
+        assert a["beta1"] == b["beta1"], (case, a["beta1"], b["beta1"])  # OneCycleLR cycles it
+    assert ours["onecycle"]["beta1"] != 0.9  # cycled away from AdamW's default
+    # the schedules really moved: from 0 up through the warmup and down to 0 at the end of the run
+    for case in ("linear", "accumulate", "manual"):
+        lrs = ours[case]["lrs"]
+        assert lrs[0] == lrs[-1] == 0.0 and max(lrs) >= 5e-3, (case, lrs)
+
+
+def test_torch_schedule_steps_as_accelerate_at_dp2(tmp_path):
+    """tp1 x dp2 against plain accelerate with 2 processes; 13 batches of 2: an odd count (OneCycleLR's
+    total_steps would be overrun by the 14 steps of 7 updates)."""
+    _compare_schedules_with_plain_accelerate(tmp_path, tp=1, world=2, num_micro=1, samples=26)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,world,num_micro,samples", [(2, 4, 1, 26), (1, 2, 2, 24)])
+def test_torch_schedule_steps_as_accelerate_layouts(tmp_path, tp, world, num_micro, samples):
+    """tp2 x dp2 (sequence parallel) against 2 processes; dp2 with 2 micro batches against 4 processes
+    (one update reads dp x num_micro_batches batches of the script's loader: 4 steps per update)."""
+    _compare_schedules_with_plain_accelerate(tmp_path, tp=tp, world=world, num_micro=num_micro, samples=samples)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # no optimizer is stepped here
+def test_prepared_torch_scheduler_steps_as_accelerated_scheduler(monkeypatch):
+    """In-process, against accelerate's AcceleratedScheduler itself (num_processes 2 there, dp 2 here):
+    split_batches, step_scheduler_with_optimizer=False, a batch that only accumulates (adjust_scheduler
+    or not), a skipped update, OneCycleLR stopped at total_steps."""
+    from accelerate import scheduler as accelerate_scheduler
+
+    from hf_megatron.integrations.accelerate import wrappers
+
+    monkeypatch.setattr(accelerate_scheduler, "AcceleratorState", lambda: SimpleNamespace(num_processes=2))
+    monkeypatch.setattr(wrappers.state, "get_state", lambda: SimpleNamespace(dp=2))
+
+    def schedule(kind):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        if kind == "onecycle":
+            return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1.0, total_steps=7, cycle_momentum=False)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+    # (sync_gradients, skipped) per call
+    calls = [(True, False), (False, False), (True, False), (True, True), (True, False), (True, False)]
+    for kind in ("lambda", "onecycle"):
+        for split_batches in (False, True):
+            for with_optimizer in (True, False):
+                for adjust in (True, False):
+                    gradient_state = SimpleNamespace(sync_gradients=True, adjust_scheduler=adjust)
+                    accelerator = SimpleNamespace(split_batches=split_batches, step_scheduler_with_optimizer=with_optimizer,
+                                                  gradient_state=gradient_state,
+                                                  state=SimpleNamespace(megatron_lm_plugin=SimpleNamespace(num_micro_batches=1)))
+                    engine = SimpleNamespace(skipped_iter=False, user_scheduler=None, optimizer=None)
+                    ours = wrappers.PreparedScheduler(schedule(kind), accelerator)
+                    ours.bind(engine)
+                    optimizer = SimpleNamespace(step_was_skipped=False)
+                    theirs = accelerate_scheduler.AcceleratedScheduler(schedule(kind), optimizer, with_optimizer,
+                                                                      split_batches)
+                    theirs.gradient_state = gradient_state
+                    for sync, skipped in calls:
+                        gradient_state.sync_gradients, engine.skipped_iter, optimizer.step_was_skipped = sync, skipped, skipped
+                        ours.step(), theirs.step()
+                        label = (kind, split_batches, with_optimizer, adjust, sync, skipped)
+                        assert ours.get_last_lr() == theirs.get_last_lr(), label
+                        assert ours.original._step_count == theirs.scheduler._step_count, label
+                        assert ours.original.last_epoch == theirs.scheduler.last_epoch, label

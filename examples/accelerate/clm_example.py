@@ -49,12 +49,17 @@ def training_function(args):
                "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr)
 
-    # prepared in several calls: the schedule is sized from the prepared loader
-    model, optimizer = accelerator.prepare(model, optimizer)
-    train_dataloader, eval_dataloader = accelerator.prepare(train_dataloader, eval_dataloader)
+    # as accelerate's examples (nlp_example.py): the schedule is sized from the loader before prepare;
+    # accelerate steps it once per batch of that loader, i.e. num_processes times an update (under
+    # Megatron-LM: data-parallel size x num_micro_batches), so it spans the run in any layout
     steps = len(train_dataloader) * args.num_epochs // args.gradient_accumulation_steps
-    lr_scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, args.warmup, steps))
-    accelerator.print(f"distributed type {accelerator.distributed_type}, {steps} updates")
+    lr_scheduler = get_linear_schedule_with_warmup(optimizer, args.warmup, steps)
+    # prepared in several calls
+    model, optimizer = accelerator.prepare(model, optimizer)
+    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(train_dataloader, eval_dataloader,
+                                                                          lr_scheduler)
+    updates = len(train_dataloader) * args.num_epochs // args.gradient_accumulation_steps
+    accelerator.print(f"distributed type {accelerator.distributed_type}, {steps} schedule steps, ~{updates} updates")
 
     results = {"losses": [], "eval": []}
     for epoch in range(args.num_epochs):
@@ -113,7 +118,7 @@ def main():
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight_decay", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=1, help="warmup in schedule steps (batches of the unprepared loader)")
     parser.add_argument("--num_epochs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU")

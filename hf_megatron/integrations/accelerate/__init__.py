@@ -10,7 +10,8 @@ examples/by_feature/megatron_lm_gpt_pretraining.py runs unchanged):
     for batch in loader:
         loss = model(**batch).loss        # one whole Megatron step: micro batches, pipeline, optimizer
         accelerator.backward(loss)        # no-op (done inside the step), as in accelerate's Megatron-LM path
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()   # no-ops likewise
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()   # no-ops likewise (a torch / transformers
+                                          # scheduler steps here, as accelerate's AcceleratedScheduler)
     accelerator.save_state("ckpt")        # Megatron-LM checkpoint + transformers weights
 
 Modules: accelerator.py (the class), engine.py (the prepared model), plugin.py (MegatronLMPlugin

@@ -214,7 +214,7 @@ class Accelerator(accelerate.Accelerator):
                 for name, value in fields.items():
                     setattr(cfg, name, value)
                 engine.scheduler = trainer.build_scheduler(engine.optimizer, cfg)
-            else:  # a torch schedule: the engine follows its lr after every update
+            else:  # a torch schedule: scheduler.step() steps it as accelerate's AcceleratedScheduler, we follow its lr
                 engine.user_scheduler = original
                 follow_user_lr(engine.optimizer, original)
             wrapped.bind(engine)

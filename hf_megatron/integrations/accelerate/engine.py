@@ -3,11 +3,13 @@ evaluation (eval mode), accelerate's own Megatron-LM convention.
 
 Train mode: the batch (dp rank's share of one global batch) is cut into micro batches of
 `micro_batch_size` (batches.py) and goes through forward, backward (pipeline schedule), the
-gradient reductions, clipping and the optimizer step (`trainer.train_step`); the LR schedule
-advances after a real update.  With `Accelerator(gradient_accumulation_steps=k)` and
-`with accelerator.accumulate(model):` a call whose `accelerator.sync_gradients` is False only
-accumulates gradients of loss / k; the call that syncs reduces them and steps once: k batches,
-one update, the gradient of the mean of their losses (accelerate's meaning of accumulation).
+gradient reductions, clipping and the optimizer step (`trainer.train_step`); a
+MegatronLMDummyScheduler's schedule advances after a real update (a torch schedule advances
+with the script's `scheduler.step()`, as accelerate's AcceleratedScheduler: wrappers.py).
+With `Accelerator(gradient_accumulation_steps=k)` and `with accelerator.accumulate(model):` a
+call whose `accelerator.sync_gradients` is False only accumulates gradients of loss / k; the call
+that syncs reduces them and steps once: k batches, one update, the gradient of the mean of their
+losses (accelerate's meaning of accumulation).
 
 Eval mode: forward only.  `loss` is the mean per-token loss of the batch over the data-parallel
 group (every rank gets it, in every pipeline stage); with `return_logits` the output also has
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -33,13 +34,17 @@ from .logits import forward_with_logits
 
 
 def follow_user_lr(optimizer, user_scheduler) -> None:
-    """Our groups take the lr a torch schedule gave the user's groups they came from.  (A schedule
-    built on the prepared optimizer already set ours: its param_groups are ours.)"""
+    """Our groups take the lr (and Adam's betas, which OneCycleLR's cycle_momentum schedules) a torch
+    schedule gave the user's groups they came from.  (A schedule built on the prepared optimizer
+    already set ours: its param_groups are ours.)"""
     source = user_scheduler.optimizer.param_groups
     if source is optimizer.param_groups:
         return
     for group in optimizer.param_groups:
-        group["lr"] = source[group.get("user_group", 0)]["lr"]
+        user = source[group.get("user_group", 0)]
+        group["lr"] = user["lr"]
+        if "betas" in user and "betas" in group:
+            group["betas"] = tuple(user["betas"])
 
 
 def _output(loss: torch.Tensor, logits: torch.Tensor | None = None):
@@ -57,7 +62,7 @@ class MegatronEngine(nn.Module):
         self._accelerator = [accelerator]  # a list: not a submodule, not in state_dict
         self.optimizer = None          # our MixedPrecisionOptimizer, set by prepare
         self.scheduler = None          # our LRScheduler (from MegatronLMDummyScheduler), or None
-        self.user_scheduler = None     # a torch scheduler whose lr we follow, or None
+        self.user_scheduler = None     # a torch scheduler whose lr we follow (stepped by wrappers.py), or None
         self.iteration = 0             # optimizer updates taken
         self.consumed_train_samples = 0
         self.skipped_iter = False
@@ -125,15 +130,7 @@ class MegatronEngine(nn.Module):
             self.iteration += 1
             self.skipped_iter = stats["skipped"]
             self.grad_norm = float("inf") if stats["skipped"] else stats["grad_norm"]
-            if not stats["skipped"] and self.user_scheduler is not None:
-                self._follow_user_scheduler()
         return _output(torch.tensor(stats["loss"], device=micro[0]["targets"].device))
-
-    def _follow_user_scheduler(self) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the user's optimizer is never stepped: by design
-            self.user_scheduler.step()
-        follow_user_lr(self.optimizer, self.user_scheduler)
 
     @torch.no_grad()
     def _evaluate(self, batch: dict):

@@ -159,6 +159,16 @@ def load_state(accelerator, engine, input_dir=None) -> None:
     accelerator.step = int(info.get("accelerate_step") or 0)
     if engine.user_scheduler is not None and info.get("user_scheduler") is not None:
         engine.user_scheduler.load_state_dict(info["user_scheduler"])
+        # plain accelerate restores the optimizer the schedule was built on: a schedule built on the
+        # user's own optimizer (not the prepared one) gets the loaded lr / betas there too (what a
+        # chainable schedule's next step reads, and what the engine follows from then on)
+        user_groups = engine.user_scheduler.optimizer.param_groups
+        if user_groups is not engine.optimizer.param_groups:
+            for group in engine.optimizer.param_groups:
+                user = user_groups[group.get("user_group", 0)]
+                user["lr"] = group["lr"]
+                if "betas" in user and "betas" in group:
+                    user["betas"] = tuple(group["betas"])
     for loader, saved in zip(accelerator._dataloaders, info.get("dataloaders") or []):
         if isinstance(loader, PositionedLoader) and saved:
             loader.restore(saved)
