@@ -107,6 +107,7 @@ def _one_line_per_rank(result: subprocess.CompletedProcess, world: int, needles:
     return lines[0]
 
 
+@pytest.mark.slow  # ~20 s of accelerate launch; the default run keeps the suite under 15 min
 def test_user_mistakes_are_one_line_naming_the_accelerate_config(tmp_path):
     world = _launch(tmp_path, 2, 3, str(tmp_path / "x.pt"), "--batch_size", "2")
     _one_line_per_rank(world, 2, ["num_processes=2", "megatron_lm_tp_degree (3)"])
@@ -187,6 +188,7 @@ def _compare_schedules_with_plain_accelerate(folder: Path, tp: int, world: int, 
         assert lrs[0] == lrs[-1] == 0.0 and max(lrs) >= 5e-3, (case, lrs)
 
 
+@pytest.mark.slow  # ~20 s of accelerate launch; the default run keeps the suite under 15 min
 def test_torch_schedule_steps_as_accelerate_at_dp2(tmp_path):
     """tp1 x dp2 against plain accelerate with 2 processes; 13 batches of 2: an odd count (OneCycleLR's
     total_steps would be overrun by the 14 steps of 7 updates)."""
