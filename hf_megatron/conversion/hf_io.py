@@ -6,6 +6,7 @@ converter can stream a large model one tensor at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -70,6 +71,20 @@ def link_root(folder: Path) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def open_safetensors(file: Path):
+    """safetensors' `safe_open` of `file`; a file it cannot open (not safetensors, a header or data
+    cut short) is one CheckpointError naming it.  CheckpointErrors of the body pass unchanged."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({first_line(exc)})") from None
+
+
 class HFCheckpoint:
     def __init__(self, name_or_path: str | os.PathLike):
         self.path = resolve(name_or_path)
@@ -93,7 +108,6 @@ class HFCheckpoint:
         return within(self.path / name, link_root(self.path))
 
     def _index(self) -> None:
-        from safetensors import safe_open
         index = self.path / "model.safetensors.index.json"
         single = self.path / "model.safetensors"
         if index.is_file():
@@ -104,11 +118,8 @@ class HFCheckpoint:
                     raise CheckpointError(f"{file}: listed in {index.name} but missing")
         elif single.is_file():
             self.file(single.name)
-            try:
-                with safe_open(str(single), framework="pt") as f:
-                    self._where = {k: single for k in f.keys()}
-            except Exception as exc:
-                raise CheckpointError(f"{single}: unreadable safetensors file ({exc})") from None
+            with open_safetensors(single) as f:
+                self._where = {k: single for k in f.keys()}
         else:
             bins = sorted(self.path.glob("pytorch_model*.bin"))
             if not bins:
@@ -131,7 +142,6 @@ class HFCheckpoint:
     def stored(self) -> dict[str, tuple[Path, tuple[int, ...], torch.dtype]]:
         """name -> (file, shape, dtype) of every stored tensor, from the safetensors headers
         (no tensor data read)."""
-        from safetensors import safe_open
         found: dict[str, tuple[Path, tuple[int, ...], torch.dtype]] = {}
         by_file: dict[Path, list[str]] = {}
         for name, file in self._where.items():
@@ -141,18 +151,13 @@ class HFCheckpoint:
                 state = self._load_bin(file)
                 found.update({n: (file, tuple(state[n].shape), state[n].dtype) for n in names if n in state})
                 continue
-            try:
-                with safe_open(str(file), framework="pt") as f:
-                    keys = set(f.keys())
-                    for name in names:
-                        if name not in keys:
-                            raise CheckpointError(f"{file}: tensor {name!r} is listed in the index but not in the file")
-                        piece = f.get_slice(name)
-                        found[name] = (file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.uint8))
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                raise CheckpointError(f"{file}: unreadable safetensors file ({first_line(exc)})") from None
+            with open_safetensors(file) as f:
+                keys = set(f.keys())
+                for name in names:
+                    if name not in keys:
+                        raise CheckpointError(f"{file}: tensor {name!r} is listed in the index but not in the file")
+                    piece = f.get_slice(name)
+                    found[name] = (file, tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.uint8))
         return found
 
     def check(self, config) -> None:

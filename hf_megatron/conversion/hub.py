@@ -137,7 +137,7 @@ def check_folder(folder: Path) -> list[Path]:
     docstring; a CheckpointError (one line) otherwise."""
     from ..architectures import SUPPORTED
     from ..checkpoint.files import within
-    from .hf_io import HFCheckpoint
+    from .hf_io import HFCheckpoint, open_safetensors
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{folder}: no config.json (push expects a folder written by megatron-to-hf "
                               f"or save_pretrained)")
@@ -153,17 +153,11 @@ def check_folder(folder: Path) -> list[Path]:
         within(path, folder, "upload")
     for path in files:
         if path.suffix == ".safetensors":  # also files the index does not list: complete, or not sent
-            _complete_safetensors(path)
+            with open_safetensors(path):
+                pass
     return files
 
 
-def _complete_safetensors(path: Path) -> None:
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except Exception as exc:
-        raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({str(exc).splitlines()[0]})") from None
 
 
 def push(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
