@@ -151,10 +151,20 @@ def test_poisoned_prompt_tokens_leave_the_loss_unchanged(tmp_path):
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
 
-@pytest.fixture(scope="module")
-def chat_tokenizer(tmp_path_factory):
-    """A byte-level BPE with ChatML special tokens and a template whose {% generation %} blocks
-    mark what transformers' `return_assistant_tokens_mask` calls assistant tokens."""
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}"
+          "{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# the header ends in a space that the first response word absorbs: ' alpha' is one token, half header
+SPACED = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'Assistant: ' }}{% generation %}"
+          "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+          "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")
+
+
+def _chat_tokenizer(path, template):
+    """A byte-level BPE with ChatML special tokens (its merges learnt from space-separated words, so
+    ' alpha' is one token) and a template whose {% generation %} blocks mark what transformers'
+    `return_assistant_tokens_mask` calls assistant tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -162,18 +172,18 @@ def chat_tokenizer(tmp_path_factory):
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe.train_from_iterator(WORDS * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}"
-                "{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    bpe.train_from_iterator([" ".join(WORDS)] * 5, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>",
                                    additional_special_tokens=specials[1:])
     fast.chat_template = template
-    path = tmp_path_factory.mktemp("chat_tok") / "tok"
     fast.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    return _chat_tokenizer(tmp_path_factory.mktemp("chat_tok") / "tok", CHATML)
 
 
 def _chat_preprocess(tmp_path, tokenizer, records):
@@ -185,10 +195,15 @@ def _chat_preprocess(tmp_path, tokenizer, records):
                      "--tokenizer-model", str(tokenizer), "--no-progress"])
 
 
-def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path, chat_tokenizer):
+@pytest.mark.parametrize("template", ["chatml", "spaced_header"])
+def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path, chat_tokenizer, template):
     """A chat field rendered with the tokenizer's template; transformers' own
-    `return_assistant_tokens_mask` (the template's {% generation %} blocks) is the reference."""
+    `return_assistant_tokens_mask` (the template's {% generation %} blocks) is the reference --
+    also where a token straddles the header and the response."""
     from transformers import AutoTokenizer
+
+    if template == "spaced_header":
+        chat_tokenizer = _chat_tokenizer(tmp_path / "tok", SPACED)
 
     rng = np.random.default_rng(1)
     chats = []

@@ -10,8 +10,10 @@ Two record shapes (``hf-megatron preprocess --sft``):
   the tokenizer's chat template and tokenised once (offsets kept).  Assistant turn ``k`` covers
   the characters ``[len(render(m[:k], add_generation_prompt)), len(render(m[:k+1])))`` of the
   full rendering (the header the generation prompt adds is context, not scored; without a
-  generation prompt the turn starts at ``len(render(m[:k]))``); a token is scored when its first
-  character lies in an assistant span.  Templates that rewrite earlier turns when a later one is
+  generation prompt the turn starts at ``len(render(m[:k]))``); a token is scored when it overlaps
+  an assistant span, as transformers' ``return_assistant_tokens_mask`` marks every token from the
+  one holding the span's first character to the one holding its last (a header ending in a space
+  that the first response word absorbs, ``'Assistant: '`` + ``'tool'`` -> ``' tool'``, is scored).  Templates that rewrite earlier turns when a later one is
   added cannot be cut this way and are refused naming the record.
 
 ``--append-eod`` appends the end-of-document id, scored (the model learns to stop).
@@ -65,9 +67,12 @@ def assistant_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, l
             starts = [tokenizer.render_chat(messages[:k], add_generation_prompt=True),
                       tokenizer.render_chat(messages[:k])]
         start = next((len(s) for s in starts if upto.startswith(s)), 0 if not k else None)
-        if start is None or not full.startswith(upto):
-            raise DataError(f"{where}: the chat template does not render turns incrementally (adding turn {k} "
-                            "changes earlier text), so assistant tokens cannot be located")
+        if start is None:
+            raise DataError(f"{where}: the chat template does not render turns incrementally (adding message {k} "
+                            "changes the text of the messages before it), so assistant tokens cannot be located")
+        if not full.startswith(upto):
+            raise DataError(f"{where}: the chat template does not render turns incrementally (the text of messages "
+                            f"0..{k} changes when later messages are added), so assistant tokens cannot be located")
         spans.append((start, len(upto)))
     return full, spans
 
@@ -97,10 +102,11 @@ def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, wher
     ids_list, offsets_list = tokenizer.tokenize_with_offsets([text for text, _ in rendered])
     out = []
     for ids, offsets, (_, spans) in zip(ids_list, offsets_list, rendered):
-        starts = np.array([start for start, _ in offsets], np.int64).reshape(-1)
+        bounds = np.array(offsets, np.int64).reshape(-1, 2)
+        starts, ends = bounds[:, 0], bounds[:, 1]
         mask = np.zeros(len(ids), bool)
-        for begin, end in spans:
-            mask |= (starts >= begin) & (starts < end)
+        for begin, end in spans:  # overlapping the span, or (a zero-width token) starting inside it
+            mask |= ((starts < end) & (ends > begin)) | ((starts >= begin) & (starts < end))
         ids = list(ids) + ([tokenizer.eod] if append_eod else [])
         out.append((ids, np.concatenate([mask, [True] * append_eod]).astype(np.uint8)))
     return out
