@@ -91,7 +91,7 @@ def test_failed_verify_and_interrupted_runs_leave_no_output(hf_sources, tmp_path
 
     monkeypatch.setattr(convert_module, "hf_to_mcore", wrong_mapping)
     _fails(["convert", "hf-to-megatron", "--hf", str(hf_sources["mistral"]), "--out", str(tmp_path / "bad"),
-            "--verify"], capsys, "exceeds tolerance")
+            "--verify"], capsys, "tensor model.layers.1.mlp.down_proj.weight differs from the source")
     monkeypatch.setattr(convert_module, "hf_to_mcore", real_mapping)
 
     saves = []
@@ -145,3 +145,28 @@ def test_megatron_lm_convert_tool_spellings_write_the_same_checkpoints(hf_source
                  str(tmp_path / "back")]) == 0
     capsys.readouterr()
     assert_identical(hf_tensors(src), hf_tensors(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("direction", ["hf-to-megatron", "megatron-to-hf"])
+def test_verify_sees_a_wrong_row_the_prompt_never_reads(hf_sources, tmp_path, capsys, monkeypatch, direction):
+    """One embedding row the 16-token verify prompt never looks up, off by 5: the logits agree, the
+    tensors read back do not, and nothing is written."""
+    import hf_megatron.conversion.hf_writer as writer
+    src, meg = hf_sources["llama"], tmp_path / "meg"
+    if direction == "megatron-to-hf":
+        assert main(["convert", "hf-to-megatron", "--hf", str(src), "--out", str(meg), "--tp", "2"]) == 0
+    module, name = (convert_module, "hf_to_mcore") if direction == "hf-to-megatron" else (writer, "mcore_to_hf")
+    real = getattr(module, name)
+
+    def off_by_one_row(get, config, layers=None):
+        for key, tensor in real(get, config, layers):
+            if key in ("embedding.word_embeddings.weight", "model.embed_tokens.weight"):
+                tensor = tensor.clone()
+                tensor[200] += 5.0
+            yield key, tensor
+
+    monkeypatch.setattr(module, name, off_by_one_row)
+    source = ["--hf", str(src)] if direction == "hf-to-megatron" else ["--megatron", str(meg)]
+    _fails(["convert", direction, *source, "--out", str(tmp_path / "out"), "--verify"], capsys,
+           "embed", "differs from the source (max abs diff 5 at (200, 0))")
+    assert not (tmp_path / "out").exists()

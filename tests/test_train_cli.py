@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from train_cli import base_args, cli_inprocess, cli_subprocess, last_line, learning_rates, make_workspace
+from train_cli import (base_args, cli_inprocess, cli_subprocess, error_line, learning_rates,
+                       make_workspace)
 
 from hf_megatron.training.lock import LOCK_FILE, SaveLock
 
@@ -28,14 +29,6 @@ def _summary(folder):
 
 def _tracker(folder):
     return (folder / "latest_checkpointed_iteration.txt").read_text().strip()
-
-
-def _error(result):
-    code, _, err = result
-    assert code == 2 and "Traceback" not in err, err[-2000:]
-    line = last_line(err)
-    assert line.startswith("hf-megatron train: error:") and len(err.strip().splitlines()) == 1, err
-    return line
 
 
 def test_resumed_run_ends_where_the_uninterrupted_run_ends(workspace):
@@ -112,14 +105,14 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_new_runs_save_fo
     load = {"missing": workspace / "typo", "iter": workspace / "done" / "iter_0000003", "empty": workspace / "config"}
     if where == "iter" and not load["iter"].exists():
         _train(workspace, workspace / "done", 3)
-    line = _error(_train(workspace, workspace / f"new_{where}", 1, "--load", load[where]))
+    line = error_line(_train(workspace, workspace / f"new_{where}", 1, "--load", load[where]))
     assert expected in line and str(load[where]) in line, line
     assert not (workspace / f"new_{where}" / "latest_checkpointed_iteration.txt").exists()
 
 
 def test_load_of_the_save_folder_starts_a_new_run_unless_exit_on_missing_checkpoint(workspace):
     folder = workspace / "fresh_here"
-    line = _error(_train(workspace, folder, 1, "--load", folder, "--exit-on-missing-checkpoint"))
+    line = error_line(_train(workspace, folder, 1, "--load", folder, "--exit-on-missing-checkpoint"))
     assert "--exit-on-missing-checkpoint" in line
     code, out, _ = _train(workspace, folder, 1, "--load", folder)
     assert code == 0 and "iteration      1/1" in out and _tracker(folder) == "1"
@@ -132,9 +125,9 @@ def test_train_samples_and_warmup_fraction_follow_megatron(workspace):
                                              "--lr-decay-iters", 4, "--save", workspace / "samples"))
     assert code == 0, err
     assert learning_rates(out) == ["5.000e-04", "1.000e-03", "5.000e-04"]
-    line = _error(cli_inprocess(*base_args(workspace, 2, "--train-samples", 8)))
+    line = error_line(cli_inprocess(*base_args(workspace, 2, "--train-samples", 8)))
     assert "--train-iters (2) and --train-samples (8) are exclusive" in line
-    assert "expected --train-iters N or --train-samples N" in _error(cli_inprocess(*base_args(workspace, None)))
+    assert "expected --train-iters N or --train-samples N" in error_line(cli_inprocess(*base_args(workspace, None)))
 
 
 def test_train_samples_schedule_spans_the_samples_as_megatron_lms(workspace):
@@ -183,7 +176,7 @@ def test_train_samples_schedule_spans_the_samples_as_megatron_lms(workspace):
 def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(workspace):
     folder = workspace / "gbs"
     assert _train(workspace, folder, 2)[0] == 0
-    line = _error(_train(workspace, folder, 4, "--load", folder, "--global-batch-size", 8))
+    line = error_line(_train(workspace, folder, 4, "--load", folder, "--global-batch-size", 8))
     assert "the LR schedule differs from the checkpoint's" in line and "--override-opt_param-scheduler" in line
     code, out, err = _train(workspace, folder, 4, "--load", folder, "--global-batch-size", 8,
                             "--override-opt_param-scheduler")
@@ -220,7 +213,7 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
     ]
     for extra, expected in cases:
         started = time.perf_counter()
-        line = _error(cli_inprocess(*base_args(workspace, 1), *extra))
+        line = error_line(cli_inprocess(*base_args(workspace, 1), *extra))
         assert expected in line, line
         assert time.perf_counter() - started < 2.0, (extra, "took too long: checked after building the model?")
     # the test split is never read by `train`: Megatron's default split on a small corpus trains
@@ -228,11 +221,11 @@ def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
     assert code == 0, err
 
 
-def test_a_second_writer_of_a_save_folder_gets_a_clear_error(workspace):
+def test_a_second_writer_of_a_save_folder_gets_a_clearerror_line(workspace):
     folder = workspace / "locked"
     lock = SaveLock(folder).acquire()  # another run holding the folder
     try:
-        line = _error(_train(workspace, folder, 1))
+        line = error_line(_train(workspace, folder, 1))
         assert f"--save {folder}: in use by another training run (pid {os.getpid()}" in line
     finally:
         lock.release()
@@ -250,7 +243,7 @@ def test_a_load_of_another_model_shape_names_the_tensor_and_leaves_no_save_folde
     source = tmp_path / "source"
     assert _train(workspace, source, 2)[0] == 0
     save = tmp_path / "new" / "run"
-    line = _error(cli_inprocess(*base_args(workspace, 4, "--hf-config", tmp_path / "narrow", "--load", source,
+    line = error_line(cli_inprocess(*base_args(workspace, 4, "--hf-config", tmp_path / "narrow", "--load", source,
                                            "--save", save, config=False)))
     # SwiGLU fc1 holds gate and up: 2 x intermediate rows of hidden columns
     assert (f"{source}/iter_0000002/mp_rank_00/model_optim_rng.pt: does not fit the model ('model'): "
@@ -351,7 +344,7 @@ def test_a_load_saved_in_another_layout_names_the_reshard_command(workspace, tmp
                            str(tmp_path / "pp2"), "--tp", "1", "--pp", "2", "--with-optimizer"],
                           capture_output=True, text=True, env=env(), timeout=300)
     assert done.returncode == 0, done.stderr
-    line = _error(_train(workspace, tmp_path / "next", 2, "--load", tmp_path / "pp2"))
+    line = error_line(_train(workspace, tmp_path / "next", 2, "--load", tmp_path / "pp2"))
     assert line == (f"hf-megatron train: error: {tmp_path / 'pp2' / 'iter_0000001'}: saved with tp=1, pp=2 but this run "
                     "has tp=1, pp=1; reshard it first (README: Resume in another layout): `hf-megatron reshard --src "
                     f"{tmp_path / 'pp2'} --out NEW --tp 1 --pp 1 --with-optimizer`, then --load NEW")

@@ -77,6 +77,15 @@ def learning_rates(out: str) -> list[str]:
             if "| learning rate: " in line]
 
 
+def error_line(result) -> str:
+    """The one-line `hf-megatron train: error:` of a refused run (exit status 2, no traceback)."""
+    code, _, err = result
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    line = last_line(err)
+    assert line.startswith("hf-megatron train: error:") and len(err.strip().splitlines()) == 1, err
+    return line
+
+
 def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""

@@ -36,10 +36,11 @@ def load_megatron_weights(model, path: str | os.PathLike, iteration: int | None 
     ours, theirs = model.config, ckpt.config
     fields = ("model_type", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
               "ffn_hidden_size", "vocab_size")
-    diff = [f"{f}: model {getattr(ours, f)} vs checkpoint {getattr(theirs, f)}" for f in fields
+    diff = [f"{f} {getattr(theirs, f)} (the model's: {getattr(ours, f)})" for f in fields
             if getattr(ours, f) != getattr(theirs, f)]
     if diff:
-        raise CheckpointError(f"{ckpt.folder}: checkpoint does not match the model ({'; '.join(diff)})")
+        raise CheckpointError(f"{ckpt.folder}: the checkpoint is of another model than the one built: "
+                              f"{'; '.join(diff)}")
     layers = set(model.layer_numbers)
     wanted = [n for n in ckpt.names() if (i := layer_index(n)) is None or i in layers]
     load_full_weights(model, ((n, ckpt.get(n)) for n in wanted))

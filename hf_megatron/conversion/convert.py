@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..architectures import hf_to_mcore
+from ..architectures import hf_to_mcore, mcore_to_hf
 from ..checkpoint.args import tokenizer_args
 from ..checkpoint.files import TRACKER, StagingDir, iter_dir_name, within, write_text_atomic
 from ..checkpoint.load import open_megatron
@@ -29,7 +29,7 @@ from ..checkpoint.writer import write_megatron
 from ..errors import CheckpointError, ConfigError
 from .hf_io import HFCheckpoint
 from .hf_writer import DTYPES, copy_tokenizer, write_hf_config, write_hf_weights
-from .verify import fixed_prompt, hf_logits, compare, megatron_logits
+from .verify import compare, compare_tensors, fixed_prompt, hf_logits, megatron_logits
 
 TOKENIZER_SUBDIR = "tokenizer"
 TRAINING_INFO = "hf_megatron_training.json"
@@ -131,9 +131,12 @@ def hf_to_megatron(hf: str | os.PathLike, out: str | os.PathLike, tp: int = 1, p
         report["tokenizer_files"] = _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
         _finish_megatron(staging, "release")
         if verify:
+            written = open_megatron(staging.path)
+            # back through the inverse mapping: a wrong tensor (or row) of the forward one shows
+            tensors = compare_tensors(mcore_to_hf(written.get, config), source_ckpt.get, target)
             ids = fixed_prompt(config.vocab_size, config.max_position_embeddings)
-            report["verify"] = compare(hf_logits(source_ckpt.path, ids, round_to=target),
-                                       megatron_logits(open_megatron(staging.path), ids))
+            report["verify"] = compare(hf_logits(source_ckpt.path, ids, round_to=target), megatron_logits(written, ids),
+                                       tensors=tensors)
         staging.commit()
     return report
 
@@ -170,9 +173,10 @@ def megatron_to_hf(megatron: str | os.PathLike, out: str | os.PathLike, dtype: s
         info = training_info(ckpt)
         (staging.path / TRAINING_INFO).write_text(json.dumps(info, indent=2, default=str) + "\n")
         if verify:
+            tensors = compare_tensors(hf_to_mcore(HFCheckpoint(staging.path).get, ckpt.config), ckpt.get, out_dtype)
             ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)
-            report["verify"] = compare(megatron_logits(ckpt, ids, round_to=out_dtype),
-                                       hf_logits(staging.path, ids))
+            report["verify"] = compare(megatron_logits(ckpt, ids, round_to=out_dtype), hf_logits(staging.path, ids),
+                                       tensors=tensors)
         staging.commit()
     return report
 
@@ -242,7 +246,9 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, tp: int = 1, pp: int
         _carry_tokenizer(tokenizer_src, staging.path / TOKENIZER_SUBDIR)
         _finish_megatron(staging, ckpt.iteration)
         if verify:
+            written = open_megatron(staging.path)
+            tensors = compare_tensors(((name, written.get(name)) for name in written.names()), ckpt.get)
             ids = fixed_prompt(ckpt.config.vocab_size, ckpt.config.max_position_embeddings)
-            report["verify"] = compare(megatron_logits(ckpt, ids), megatron_logits(open_megatron(staging.path), ids))
+            report["verify"] = compare(megatron_logits(ckpt, ids), megatron_logits(written, ids), tensors=tensors)
         staging.commit()
     return report

@@ -1,15 +1,17 @@
-"""`--verify`: run the source and the converted model on a fixed prompt and compare logits.
+"""`--verify`: read every converted tensor back and compare it with the source's, then run the
+source and the converted model on a fixed prompt and compare logits.
 
-Both models run in fp32 on CPU.  When the conversion changes dtype (e.g. --dtype bf16), the
-source weights are first rounded to that dtype, so the check measures the conversion itself,
-not the rounding: it passes when
-    max |logits_out - logits_src| <= tol * max(1, max |logits_src|)
-and reports that max abs diff and the top-1 (argmax) agreement over the prompt positions.
+The tensor check is exact (the conversions only split, merge and permute): the written files are
+read back, mapped back to the source's names by the inverse mapping (reshard: none needed), and
+every tensor must equal the source's in the output's dtype.  It sees what a short prompt cannot --
+an embedding row the prompt never looks up, a position past it.  The logits check covers the
+meaning of the layout (a mapping and its inverse wrong in the same way would read back equal).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -29,9 +31,11 @@ class VerifyError(CheckpointError):
 class VerifyResult:
     max_abs_diff: float
     top1_agreement: float
+    tensors: int = 0  # tensors compared exactly before the logits
 
     def __str__(self) -> str:
-        return f"verify: max abs logit diff {self.max_abs_diff:.3g}, top-1 agreement {self.top1_agreement:.1%}"
+        checked = f"{self.tensors} tensors equal, " if self.tensors else ""
+        return f"verify: {checked}max abs logit diff {self.max_abs_diff:.3g}, top-1 agreement {self.top1_agreement:.1%}"
 
 
 def fixed_prompt(vocab_size: int, max_positions: int) -> torch.Tensor:
@@ -69,13 +73,34 @@ def megatron_logits(checkpoint, ids: torch.Tensor, round_to: torch.dtype | None 
     return _round(model.eval(), round_to)(ids).logits.float()
 
 
-def compare(source: torch.Tensor, converted: torch.Tensor, tol: float = DEFAULT_TOL) -> VerifyResult:
+def compare(source: torch.Tensor, converted: torch.Tensor, tol: float = DEFAULT_TOL, tensors: int = 0) -> VerifyResult:
     if source.shape != converted.shape:
         raise VerifyError(f"verify: logits shapes differ: source {tuple(source.shape)}, converted {tuple(converted.shape)}")
     diff = (source - converted).abs().max().item()
     top1 = (source.argmax(-1) == converted.argmax(-1)).float().mean().item()
-    result = VerifyResult(diff, top1)
+    result = VerifyResult(diff, top1, tensors)
     bound = tol * max(1.0, source.abs().max().item())
     if not diff <= bound:  # also catches NaN
         raise VerifyError(f"{result}: exceeds tolerance {bound:.3g}; the conversion is wrong, output not written")
     return result
+
+
+def compare_tensors(pairs: Iterable[tuple[str, torch.Tensor]], get_other: Callable[[str], torch.Tensor],
+                    dtype: torch.dtype | None = None) -> int:
+    """Every (name, tensor) of one side equals `get_other(name)` (cast to `dtype` first when given):
+    same shape, same dtype, same values.  Returns how many were compared."""
+    count = 0
+    for name, mine in pairs:
+        other = get_other(name)
+        if dtype is not None and other.is_floating_point():
+            other = other.to(dtype)
+        if mine.shape != other.shape or mine.dtype != other.dtype:
+            raise VerifyError(f"verify: tensor {name}: {tuple(mine.shape)} {mine.dtype} against {tuple(other.shape)} "
+                              f"{other.dtype}; the conversion is wrong, output not written")
+        if not torch.equal(mine, other):
+            diff = (mine.float() - other.float()).abs()
+            where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else ()
+            raise VerifyError(f"verify: tensor {name} differs from the source (max abs diff {diff.max().item():.3g} "
+                              f"at {where}); the conversion is wrong, output not written")
+        count += 1
+    return count

@@ -258,8 +258,9 @@ def load_checkpoint(load_dir: str | os.PathLike, model_chunks, optimizer=None, s
         except (RuntimeError, TypeError) as exc:  # shapes or entries that are not tensors
             raise CheckpointError(f"{path}: {key} does not fit the model ({str(exc).strip().splitlines()[0]})") from None
         if strict and (result.missing_keys or result.unexpected_keys):
-            raise CheckpointError(f"{path}: {key} does not match the model: missing {result.missing_keys[:4]}, "
-                                  f"unexpected {result.unexpected_keys[:4]}")
+            raise CheckpointError(f"{path}: {key} holds other tensors than this run's model: the model has "
+                                  f"{result.missing_keys[:4]} which the checkpoint lacks, the checkpoint has "
+                                  f"{result.unexpected_keys[:4]} which the model lacks")
     if optimizer is not None:
         _load_optimizer_state(optimizer, payload, path, pp_rank)
     if scheduler is not None and isinstance(payload.get("opt_param_scheduler"), dict):

@@ -121,6 +121,41 @@ class ModelFlags:
                     vocab_size=vocab)
 
 
+# Megatron-LM argument -> the flag that sets it, the model-defining ones (check_checkpoint_args asserts
+# the first three), in the order a contradiction is reported (derived ones, as kv_channels, after
+# what they derive from)
+DEFINING = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+            "num_attention_heads": "--num-attention-heads", "group_query_attention": "--group-query-attention",
+            "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+            "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
+            "swiglu": "--swiglu", "openai_gelu": "--openai-gelu", "add_bias_linear": "--disable-bias-linear",
+            "add_qkv_bias": "--add-qkv-bias", "qk_layernorm": "--qk-layernorm",
+            "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+            "vocab_size": "--vocab-size", "ffn_hidden_size": "--ffn-hidden-size", "norm_epsilon": "--norm-epsilon",
+            "rotary_percent": "--rotary-percent", "max_position_embeddings": "--max-position-embeddings",
+            "rotary_base": "--rotary-base", "use_rope_scaling": "--use-rope-scaling",
+            "rope_scaling_factor": "--rope-scaling-factor"}
+ROPE_ONLY = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
+# what a fine-tune may change (context extension), as Megatron-LM checks no args with --finetune
+FINETUNE_MAY_CHANGE = ("max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
+
+
+def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume: bool) -> None:
+    """One-line ConfigError at the first model-defining value the model flags give otherwise than the
+    checkpoint whose weights the run loads (a same-shaped contradiction, as 8 heads for 4 -- qkv keeps
+    its shape -- would otherwise load and train another model)."""
+    from ..checkpoint.args import FIELDS, Layout
+    layout = Layout()
+    rope = "rope" in (flags_config.position_embedding_type, checkpoint_config.position_embedding_type)
+    for name, flag in DEFINING.items():
+        if (name in ROPE_ONLY and not rope) or (not resume and name in FINETUNE_MAY_CHANGE):
+            continue
+        given, saved = FIELDS[name](flags_config, layout), FIELDS[name](checkpoint_config, layout)
+        if given != saved:
+            raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, the model flags make it {given} "
+                              f"({flag}); the checkpoint defines the model: drop the model flags or give its values")
+
+
 def hf_config_of_flags(run, vocab_size: int | None) -> dict[str, Any]:
     """The transformers config dict the model flags of `run` describe (one-line ConfigError if no
     supported family has that combination)."""

@@ -122,6 +122,11 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
         config = _config_of_hf_config_file(run.hf_config)
     elif run.model_flags_given():
         config = _config_of_model_flags(run)
+        if start.megatron_dir is not None:  # Megatron-LM's check_checkpoint_args, for every model flag
+            from ..checkpoint.load import open_megatron
+            from .model_flags import check_flags_match_checkpoint
+            check_flags_match_checkpoint(config, open_megatron(start.megatron_dir).config, start.megatron_dir,
+                                         resume=start.kind == "resume")
     elif run.hf_model:
         config = config_of_hf(run.hf_model)
         if not start.weights_from_megatron:

@@ -1,0 +1,45 @@
+"""`hf-megatron train --load` refusals a Megatron-LM user expects (checkpointing.py's
+check_checkpoint_args and load_checkpoint): model flags that contradict the checkpoint, GPT-2-shaped
+flags the family cannot honour, iter_* folders without a tracker, and --ckpt-step."""
+import pytest
+from train_cli import base_args, cli_inprocess, error_line, make_workspace
+
+from tiny import VOCAB
+
+SHAPE = ["--num-layers", 2, "--hidden-size", 64, "--num-attention-heads", 4, "--vocab-size", VOCAB,
+         "--lr-decay-iters", 4]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return make_workspace(tmp_path_factory.mktemp("resume_checks"), documents=60)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(workspace):
+    """A 4-head GPT-2-shaped run from the model flags, saved at iterations 1 and 2."""
+    save = workspace / "ck"
+    code, _, err = cli_inprocess(*base_args(workspace, 2, *SHAPE, "--save", save, "--save-interval", 1,
+                                            config=False))
+    assert code == 0, err[-2000:]
+    return save
+
+
+def _resume(workspace, load, *extra, iters=3, save=None):
+    return cli_inprocess(*base_args(workspace, iters, *extra, "--load", load, "--save", save or load, config=False))
+
+
+def test_a_model_flag_that_contradicts_the_checkpoint_is_refused(workspace, checkpoint):
+    """8 heads give the 4-head checkpoint's qkv the same shape: it loaded and trained another model."""
+    shape = [*SHAPE[:5], 8, *SHAPE[6:]]
+    line = error_line(_resume(workspace, checkpoint, *shape))
+    assert ("checkpoint's num_attention_heads is 4, the model flags make it 8 (--num-attention-heads)" in line
+            and str(checkpoint) in line), line
+    line = error_line(_resume(workspace, checkpoint, *SHAPE, "--normalization", "RMSNorm", "--swiglu",
+                          "--position-embedding-type", "rope", "--disable-bias-linear"))
+    assert "normalization is LayerNorm, the model flags make it RMSNorm (--normalization)" in line, line
+    assert _tracker(checkpoint) == "2"
+
+
+def _tracker(folder):
+    return (folder / "latest_checkpointed_iteration.txt").read_text().strip()
