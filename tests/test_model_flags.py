@@ -91,11 +91,25 @@ def test_model_flags_default_to_megatron_lm_dropout_and_a_resume_needs_none_of_t
                                                                             "--num-attention-heads 4"),
     ([*SHAPE, "--group-query-attention", "--num-query-groups", 3], "expected a divisor of --num-attention-heads"),
     (SHAPE, "give --vocab-size N or --tokenizer-model"),
+    # GPT-2 (LayerNorm + learned positions) silently dropped these
+    ([*SHAPE, "--kv-channels", 8, "--vocab-size", 10], "GPT-2 family (LayerNorm + learned positions) has no "
+                                                       "kv_channels 8 (--kv-channels); Megatron-LM would build heads "
+                                                       "of 8 channels, GPT-2's are hidden / heads = 16"),
+    ([*SHAPE, "--group-query-attention", "--num-query-groups", 2, "--vocab-size", 10], "has no num_query_groups 2"),
+    ([*SHAPE, "--qk-layernorm", "--vocab-size", 10], "has no qk_layernorm (--qk-layernorm)"),
 ])
 def test_bad_model_flags_are_one_line(workspace, tmp_path, argv, fragment):
     code, _, err = cli_inprocess(*base_args(workspace, 2, *argv, "--save", tmp_path / "s", config=False))
     assert code == 2 and "Traceback" not in err, err[-2000:]
     assert len(err.strip().splitlines()) == 1 and fragment in last_line(err), err
+
+
+def test_gpt2_shaped_flags_accept_gpt2s_own_head_size_and_groups(workspace, tmp_path):
+    from hf_megatron.training.model_flags import hf_config_of_flags
+    from hf_megatron.training.config import RunConfig
+    run = RunConfig(num_layers=2, hidden_size=64, num_attention_heads=4, kv_channels=16, group_query_attention=True,
+                    num_query_groups=4, vocab_size=10, data_path=["x"], seq_length=32)
+    assert hf_config_of_flags(run, None)["model_type"] == "gpt2"
 
 
 def test_flags_are_taken_only_as_spelled(workspace, tmp_path):

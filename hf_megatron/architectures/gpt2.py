@@ -68,11 +68,33 @@ def _fields(data: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _refuse_what_gpt2_lacks(args: MegatronArgs) -> None:
+    """LayerNorm + learned positions is GPT-2, whose heads are hidden / heads wide, one key/value head
+    per query head and no q/k norms: other values would be dropped, a different model trained."""
+    head = args.hidden // args.heads
+    kv_channels, groups = args.get("kv_channels"), args.get("num_query_groups")
+    lacks = []
+    if kv_channels is not None and kv_channels != head:
+        lacks.append((f"kv_channels {kv_channels} (--kv-channels)", f"heads of {kv_channels} channels, GPT-2's are "
+                      f"hidden / heads = {head}"))
+    if args.get("group_query_attention") and groups not in (None, args.heads):
+        lacks.append((f"num_query_groups {groups} (--group-query-attention --num-query-groups)",
+                      f"{groups} key/value heads, GPT-2 has one per query head ({args.heads})"))
+    if args.get("qk_layernorm"):
+        lacks.append(("qk_layernorm (--qk-layernorm)", "a norm on each query and key head"))
+    if lacks:
+        what, would = lacks[0]
+        raise ConfigError(f"GPT-2 family (LayerNorm + learned positions) has no {what}; Megatron-LM would build "
+                          f"{would}: drop it, or use a family that has it (e.g. --normalization RMSNorm "
+                          "--position-embedding-type rope --swiglu: Llama)")
+
+
 def _from_megatron_args(args: MegatronArgs) -> dict[str, Any] | None:
     if not (args.normalization == "LayerNorm" and args.positions == "learned_absolute" and not args.swiglu):
         return None
     if not args.bias_linear:
         raise ConfigError("GPT-style checkpoint without linear biases (add_bias_linear=False) has no HF equivalent")
+    _refuse_what_gpt2_lacks(args)
     return dict(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.num_layers, n_head=args.heads,
                 n_inner=args.ffn, n_positions=args.max_positions, layer_norm_epsilon=args.eps,
                 activation_function="gelu_new" if args.get("openai_gelu") else "gelu",

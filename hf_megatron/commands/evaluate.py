@@ -22,7 +22,7 @@ trained with --sft (recorded too) is scored as training scored it, response toke
 does the same for an --hf-model.  --seq-length and the data's token ids are checked against the
 model as `train` checks them, before the model is built.
 
-    loss = mean over global batches of (sum of per-token losses / scored tokens);  ppl = exp(loss)
+    loss = (sum of per-token losses over all scored batches) / (their scored tokens);  ppl = exp(loss)
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
         raise DataError(f"--data-path {data}: the {ecfg.eval_split} split of --split {ecfg.split!r} has {len(dataset)} "
                         f"samples of {seq_length} tokens, fewer than one global batch of {gbs}")
     chunks = _model(ecfg, cfg, device)
-    loss = _evaluate(chunks, dataset, cfg, types.SimpleNamespace(eval_iters=batches), device)
+    loss = _evaluate(chunks, dataset, cfg, types.SimpleNamespace(**{**vars(run), "eval_iters": batches}), device)
     result = {"split": ecfg.eval_split, "lm_loss": loss, "ppl": ppl(loss), "global_batches": batches,
               "samples": batches * gbs, "tokens": batches * gbs * seq_length, "seq_length": seq_length,
               "data_split": ecfg.split, "seed": cfg.seed, "sft": ecfg.sft, "tp": grid.tp, "pp": grid.pp,

@@ -277,10 +277,26 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
     return summary
 
 
-def _evaluate(chunks, dataset, cfg, run, device) -> float:
-    losses = []
-    for i, micro in enumerate(_global_batches(dataset, cfg, 0, device)):
+def _evaluate(chunks, dataset, cfg, run, device, consumed: int = 0) -> float:
+    """Megatron-LM's evaluate: the run.eval_iters global batches from sample `consumed` of `dataset`,
+
+        loss = (sum of per-token losses over all of them) / (their scored tokens)
+
+    -- a token-weighted mean, so SFT batches with few (or no) response tokens weigh what they hold.
+    No scored token at all is a one-line DataError (Megatron-LM's 0/0 would be NaN)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for i, micro in enumerate(_global_batches(dataset, cfg, consumed, device)):
         if i == run.eval_iters:
             break
-        losses.append(trainer.evaluate(chunks, micro))
-    return sum(losses) / max(len(losses), 1)
+        totals += trainer.evaluate_totals(chunks, micro)
+    loss_sum, tokens = totals.tolist()
+    if tokens == 0:
+        raise DataError(f"--data-path {' '.join(run.data_path)}: no window of the {run.eval_iters} evaluated global "
+                        f"batches has a scored token{_why_unscored(run)}")
+    return loss_sum / tokens
+
+
+def _why_unscored(run) -> str:
+    """Why an SFT window scores nothing: its response lies past the window."""
+    return (f" (--sft scores response tokens only: --seq-length {run.seq_length} truncates the responses away; "
+            "raise it)") if run.sft else ""

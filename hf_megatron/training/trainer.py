@@ -226,11 +226,17 @@ def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dic
 
 
 @torch.no_grad()
-def evaluate(chunks, micro_batches: list[dict]) -> float:
-    """Mean per-token loss over this dp group's micro batches (forward only)."""
+def evaluate_totals(chunks, micro_batches: list[dict]) -> torch.Tensor:
+    """[sum of per-token losses, scored tokens] over this dp group's micro batches (forward only, fp64,
+    on the device): a mean over several global batches divides the summed totals once."""
     for chunk in chunks:
         chunk.eval()
     out = pipeline.forward_backward(chunks, micro_batches, forward_only=True)
     totals = torch.stack([out["loss_sum"].double(), out["num_tokens"].double()])
-    _all_reduce(totals, state.get_state().group("dp"))
+    return _all_reduce(totals, state.get_state().group("dp"))
+
+
+def evaluate(chunks, micro_batches: list[dict]) -> float:
+    """Mean per-token loss over this dp group's micro batches (forward only)."""
+    totals = evaluate_totals(chunks, micro_batches)
     return (totals[0] / totals[1].clamp(min=1)).item()

@@ -1,0 +1,65 @@
+"""Validation and `hf-megatron evaluate` as Megatron-LM's evaluate computes them: one token-weighted
+mean over every evaluated global batch (sum of per-token losses / scored tokens), judged by
+transformers' masked mean; SFT data with no scored token is a one-line error in evaluation and a
+warned, unlogged loss in training."""
+import json
+
+import pytest
+
+from hf_megatron.cli import main
+from hf_megatron.parallel import state
+from test_sft import SEQ, _hf_labels, _hf_loss, _preprocess, _records
+from tiny import VOCAB, tiny_hf_model
+
+
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    finally:
+        state.reset()
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _truncated(records):
+    """The same records with prompts longer than a window: no response token is left to score."""
+    return [{**r, "prompt": (r["prompt"] * (SEQ + 2))[:SEQ + 2]} for r in records]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf")
+    tiny_hf_model("gpt2").save_pretrained(folder)
+    return folder
+
+
+def test_sft_evaluate_is_token_weighted_whatever_the_global_batch(tmp_path, hf_folder, capsys):
+    """Half the windows hold no scored token: global batches of 1 and of 8 give transformers' masked mean."""
+    records = _records(16, seed=5)
+    records[::2] = _truncated(records[::2])
+    prefix = _preprocess(tmp_path, "mix", records)
+    reference = _hf_loss(tiny_hf_model("gpt2").eval(), [_hf_labels(r) for r in records])
+    for gbs in (1, 8):
+        code, out, err = _cli(capsys, "evaluate", "--hf-model", hf_folder, "--sft", "--data-path", prefix,
+                              "--split", "0,1,0", "--seq-length", SEQ, "--micro-batch-size", 1,
+                              "--global-batch-size", gbs)
+        assert code == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["samples"] == 16 and result["lm_loss"] == pytest.approx(reference, rel=1e-5), gbs
+
+
+@pytest.fixture
+def unscored(tmp_path):
+    """SFT data whose every response lies past a window of SEQ tokens."""
+    return _preprocess(tmp_path, "long", _truncated(_records(8, seed=6)))
+
+
+def test_evaluate_with_no_scored_token_is_one_line(unscored, hf_folder, capsys):
+    prefix = unscored
+    code, _, err = _cli(capsys, "evaluate", "--hf-model", hf_folder, "--sft", "--data-path", prefix, "--split", "0,1,0",
+                        "--seq-length", SEQ, "--global-batch-size", 4)
+    assert code == 2 and "\n" not in err.strip()
+    assert err.strip() == (f"hf-megatron evaluate: error: --data-path {prefix}: no window of the 2 evaluated global "
+                           f"batches has a scored token (--sft scores response tokens only: --seq-length {SEQ} "
+                           "truncates the responses away; raise it)")
