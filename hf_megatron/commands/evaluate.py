@@ -22,7 +22,7 @@ trained with --sft (recorded too) is scored as training scored it, response toke
 does the same for an --hf-model.  --seq-length and the data's token ids are checked against the
 model as `train` checks them, before the model is built.
 
-    loss = (sum of per-token losses over all scored batches) / (their scored tokens);  ppl = exp(loss)
+    loss = (sum of per-token losses over all evaluated batches) / (their scored tokens);  ppl = exp(loss)
 """
 from __future__ import annotations
 
