@@ -63,3 +63,18 @@ def test_evaluate_with_no_scored_token_is_one_line(unscored, hf_folder, capsys):
     assert err.strip() == (f"hf-megatron evaluate: error: --data-path {prefix}: no window of the 2 evaluated global "
                            f"batches has a scored token (--sft scores response tokens only: --seq-length {SEQ} "
                            "truncates the responses away; raise it)")
+
+
+def test_training_with_no_scored_token_warns_and_logs_no_loss(unscored, hf_folder, capsys):
+    prefix = unscored
+    code, out, err = _cli(capsys, "train", "--hf-model", hf_folder, "--sft", "--data-path", prefix, "--split", "1,0,0",
+                          "--seq-length", SEQ, "--micro-batch-size", 4, "--global-batch-size", 4, "--train-iters", 2,
+                          "--log-interval", 1, "--no-progress-bar")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert warnings[0] == ("hf-megatron train: warning: iteration 1: no scored tokens in this global batch: the step "
+                           "applies only weight decay (its lm loss is left out of the log)")
+    assert warnings[1].startswith("hf-megatron train: warning: no step of this run had a scored token (2 steps)")
+    assert len(warnings) == 2
+    logged = [line for line in out.splitlines() if line.startswith(" iteration ")]
+    assert len(logged) == 2 and all("| lm loss: n/a |" in line and "nan iterations: 0" in line for line in logged)

@@ -47,6 +47,11 @@ def ppl(loss: float) -> float:
     return math.exp(min(loss, 50.0))  # exp(50) already says "untrained"; larger overflows nothing useful
 
 
+def scored(stats: dict) -> bool:
+    """The step's global batch held a scored token (an SFT batch of truncated responses holds none)."""
+    return stats.get("num_tokens") != 0
+
+
 def _fmt_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
@@ -224,6 +229,7 @@ class Monitor:
         loss, grad_norm = stats.get("loss"), stats.get("grad_norm")
         skipped = bool(stats.get("skipped")) or grad_norm is None
         finite = loss is not None and math.isfinite(loss)
+        shown = finite and scored(stats)  # a batch with no scored token: its loss 0 measures nothing (no NaN)
         self.skipped += skipped
         self.nans += not finite
         # another part of the loop may count them itself (e.g. across a resume): take the larger
@@ -233,15 +239,15 @@ class Monitor:
         self.window.append((seconds, stats))
         samples = stats.get("consumed_samples") or iteration * self.global_batch  # the loop's count when it keeps one
         self.consumed = samples
-        if finite:
+        if shown:
             self.train_curve.append((iteration, loss))
-        self.scalars(iteration, {"lm loss": loss if finite else None, "learning-rate": logged_lr(stats),
+        self.scalars(iteration, {"lm loss": loss if shown else None, "learning-rate": logged_lr(stats),
                                  "grad-norm": grad_norm, "loss-scale": stats.get("loss_scale"),
                                  "batch-size": self.global_batch, "skipped-iterations": self.skipped,
                                  "nan-iterations": self.nans}, samples)
         if self.bar is not None:
             self.bar.update(1)
-            if finite:
+            if shown:
                 self.bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         if iteration % self.run.log_interval == 0 or iteration == self.cfg.train_iters:
             self.log_line(iteration)
@@ -256,8 +262,8 @@ class Monitor:
         rates = self.rates(max(seconds, 1e-9))
         last = self.window[-1][1]
         losses = [s["loss"] for _, s in self.window if s.get("grad_norm") is not None and not s.get("skipped")
-                  and s["loss"] is not None and math.isfinite(s["loss"])]
-        loss = sum(losses) / len(losses) if losses else last.get("loss")
+                  and s["loss"] is not None and math.isfinite(s["loss"]) and scored(s)]
+        loss = sum(losses) / len(losses) if losses else last.get("loss") if scored(last) else None
         memory, what = throughput.peak_memory_bytes(self.device)
         measured = self.step_seconds[1:] or self.step_seconds  # the first step also warms up
         eta = max(self.cfg.train_iters - iteration, 0) * sum(measured) / len(measured)
@@ -321,13 +327,12 @@ class Monitor:
         if done:
             seconds = sum(self.step_seconds) / done
             rates = self.rates(seconds)
-            first, last = self.train_curve[0][1] if self.train_curve else float("nan"), \
-                self.train_curve[-1][1] if self.train_curve else float("nan")
+            curve = f"{self.train_curve[0][1]:.4f} -> {self.train_curve[-1][1]:.4f}" if self.train_curve else "n/a"
             memory, what = throughput.peak_memory_bytes(self.device)
             mfu = f", MFU {100 * rates['mfu']:.1f}%" if rates["mfu"] is not None else ""
             self.print(f"training done: {done} iterations in {_fmt_duration(wall)} ({seconds * 1000:.1f} ms/iteration, "
                        f"{rates['tokens_per_s']:,.0f} tokens/s, {rates['tflops']:.3g} TFLOP/s/GPU{mfu}) | lm loss "
-                       f"{first:.4f} -> {last:.4f} | skipped {self.skipped}, nan {self.nans} | "
+                       f"{curve} | skipped {self.skipped}, nan {self.nans} | "
                        f"peak memory ({what}) {mib(memory)}")
         if self.valid_curve:
             best_at, best = min(self.valid_curve, key=lambda p: p[1])

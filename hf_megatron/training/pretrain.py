@@ -232,7 +232,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
                         rng_state=runner.rng_state() if runner is not None else None)
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
-    history, last, saved_at, exit_reason = [], {}, None, None
+    history, saved_at, exit_reason, unscored_steps = [], None, None, 0
     for stats in steps():
         iteration += 1
         consumed += gbs
@@ -248,8 +248,14 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
                 f"the gradients are not finite (loss {stats['loss']:.4g})"
             raise NonFiniteError(f"iteration {iteration}: {what}; stopped by --check-for-nan-in-loss-and-grad, "
                                  f"nothing saved after it ({kept})")
-        history.append(stats["loss"])
-        last = stats
+        loss = stats["loss"]
+        if stats["num_tokens"] == 0:  # loss 0 and zero gradients: the update is weight decay alone
+            if not unscored_steps:
+                monitor.warn(f"iteration {iteration}: no scored tokens in this global batch: the step applies only "
+                             "weight decay (its lm loss is left out of the log)")
+            unscored_steps += 1
+            loss = None  # not a measured 0 (the monitor leaves it out of the logged average too)
+        history.append(loss)
         monitor.step(iteration, stats)
         if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
             monitor.validation(iteration, _evaluate(chunks, valid_ds, cfg, run, device))
@@ -257,18 +263,22 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
                 monitor.sample(iteration, sampler.prompt, sampler(chunks, iteration))
         if run.save and run.save_interval and iteration % run.save_interval == 0:
             with monitor.saving(iteration):
-                save(iteration, stats["loss"])
+                save(iteration, loss)
             saved_at = iteration
         exit_reason = exits.reason(iteration)
         if exit_reason:
             break
-    summary = {"iterations": iteration, "final_loss": last.get("loss"), "first_loss": history[0] if history else None,
+    if unscored_steps and unscored_steps == iteration - restored.iteration:
+        monitor.warn(f"no step of this run had a scored token ({unscored_steps} steps): nothing was learned from "
+                     f"--data-path {' '.join(run.data_path)}{_why_unscored(run)}")
+    summary = {"iterations": iteration, "final_loss": history[-1] if history else None,
+               "first_loss": history[0] if history else None,
                "tokens": consumed * run.seq_length, "consumed_samples": consumed, **counters,
                "exit_reason": exit_reason, "tp": grid.tp, "pp": grid.pp, "dp": grid.dp,
                "torch_compile": compile_scope(chunks[0])}  # the compile scope, or None (eager)
     if run.save and saved_at != iteration and iteration > restored.iteration:  # never a copy of what was loaded
         with monitor.saving(iteration):
-            save(iteration, last.get("loss"))
+            save(iteration, history[-1] if history else None)
     if exit_reason:
         monitor.note(f" exiting at iteration {iteration}: {exit_reason}" + (f" (saved to {run.save})" if run.save else ""))
     if run.save and _is_logger():

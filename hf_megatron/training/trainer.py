@@ -170,11 +170,11 @@ def queue_forward_backward(chunks, optimizer, micro_batches: list[dict], *, fres
         optimizer.zero_grad(num_micro_batches=len(micro_batches) if reduce else None)
     device = micro_batches[0]["targets"].device
     tokens = _all_reduce(count_target_tokens(micro_batches).to(device=device, dtype=torch.float64),
-                         grid.group("dp")).clamp(min=1.0)
+                         grid.group("dp"))
     loss_scale = optimizer.loss_scale
     # the token count stays on the device (a 0-d fp32 scale, the value a Python float would be
     # rounded to): no host sync before the forward, so it queues behind the previous step's update
-    scale = (loss_scale * loss_weight / tokens).to(torch.float32)
+    scale = (loss_scale * loss_weight / tokens.clamp(min=1.0)).to(torch.float32)
     out = pipeline.forward_backward(chunks, micro_batches, loss_scale=scale)
     loss_sum = _all_reduce(out["loss_sum"].detach().to(torch.float64).reshape(1).clone(), grid.group("dp"))
     return QueuedStep(torch.cat([loss_sum, tokens.reshape(1)]), loss_scale)
@@ -212,7 +212,8 @@ def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dic
     else:
         host = step.totals.tolist()
     loss_total, global_tokens = host[:2]
-    result = {"loss": loss_total / global_tokens, "grad_norm": None,
+    # a global batch with no scored token: loss 0 (nothing to average), num_tokens 0 says so
+    result = {"loss": loss_total / max(global_tokens, 1.0), "grad_norm": None,
               "lr": step.lr if step.lr is not None else _current_lr(optimizer),
               "skipped": False, "loss_scale": step.loss_scale, "num_tokens": int(global_tokens)}
     if step.launched is None:
