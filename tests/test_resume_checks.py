@@ -43,3 +43,17 @@ def test_a_model_flag_that_contradicts_the_checkpoint_is_refused(workspace, chec
 
 def _tracker(folder):
     return (folder / "latest_checkpointed_iteration.txt").read_text().strip()
+
+
+def test_iter_folders_without_a_tracker_are_refused_not_overwritten(workspace, checkpoint, tmp_path):
+    """Megatron-LM warns 'could not find the metadata file' and starts afresh; with --save there that
+    run overwrote the saved iterations."""
+    import shutil
+    folder = tmp_path / "no_tracker"
+    shutil.copytree(checkpoint, folder)
+    (folder / "latest_checkpointed_iteration.txt").unlink()
+    line = error_line(_resume(workspace, folder, *SHAPE))
+    assert (f"--load {folder}: holds iter_0000001, iter_0000002 but no latest_checkpointed_iteration.txt" in line
+            and "echo 2 > " in line), line
+    assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    assert not (folder / "latest_checkpointed_iteration.txt").exists()

@@ -6,7 +6,8 @@
     --load = --save folder, no checkpoint a new run: --pretrained-checkpoint's weights (fine-tune,
                                           iteration 0), else --hf-model's / a fresh init
     --load anything else                  an error: a missing folder, an iter_* folder, a folder
-                                          without latest_checkpointed_iteration.txt
+                                          without latest_checkpointed_iteration.txt, and (unless
+                                          --finetune) iter_* folders without it, even in --save
     --pretrained-checkpoint alone         fine-tune from it (a Megatron checkpoint of any layout, a
                                           converted weights-only one, an HF folder or a Hub id)
 
@@ -63,6 +64,20 @@ def _pretrained(source: str) -> Start:
     return Start("finetune", hf_source=source)  # an HF folder or a Hub id (checked when it is opened)
 
 
+def _refuse_untracked_iterations(load: Path, run: RunConfig) -> None:
+    """iter_* folders without the tracker: Megatron-LM warns "could not find the metadata file" and
+    starts from random -- over them, when --save is the same folder.  Refused here, naming the fix."""
+    found = sorted(p.name for p in load.iterdir() if p.is_dir() and _is_iteration_folder(p)) if load.is_dir() else []
+    if not found:
+        return
+    shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    last = found[-1] if found[-1] == "release" else int(found[-1][5:])
+    overwrite = " (this run would save over them)" if _same_folder(run.load, run.save) else ""
+    raise CheckpointError(f"--load {load}: holds {shown} but no {TRACKER}, so no checkpoint to resume{overwrite}; "
+                          f"to resume, write the iteration into it (echo {last} > {load / TRACKER}); to start "
+                          "afresh, remove them or give another --save and --load")
+
+
 def plan_start(run: RunConfig) -> Start:
     """Apply the --load / --pretrained-checkpoint / --finetune rules (see the module docstring)."""
     if run.load:
@@ -72,6 +87,8 @@ def plan_start(run: RunConfig) -> Start:
                                   f"{TRACKER} ({load.parent})")
         if (load / TRACKER).is_file():
             return Start(_megatron_kind(load, run.finetune), megatron_dir=load)
+        if not run.finetune:
+            _refuse_untracked_iterations(load, run)
         if run.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {load}: no checkpoint found (no {TRACKER}) and --exit-on-missing-checkpoint "
                                   "is set")
