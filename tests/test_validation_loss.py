@@ -78,3 +78,20 @@ def test_training_with_no_scored_token_warns_and_logs_no_loss(unscored, hf_folde
     assert len(warnings) == 2
     logged = [line for line in out.splitlines() if line.startswith(" iteration ")]
     assert len(logged) == 2 and all("| lm loss: n/a |" in line and "nan iterations: 0" in line for line in logged)
+
+
+def test_evaluate_of_a_run_that_never_validated_scores_one_epoch(tmp_path, hf_folder, capsys):
+    """A run without --eval-interval records eval_iters 10 (the default): no count to repeat a held-out split by."""
+    train = _preprocess(tmp_path, "train", _records(8, seed=7))
+    held_records = _records(12, seed=8)
+    held = _preprocess(tmp_path, "held", held_records)
+    code, _, err = _cli(capsys, "train", "--hf-model", hf_folder, "--sft", "--data-path", train, "--split", "1,0,0",
+                        "--seq-length", SEQ, "--micro-batch-size", 4, "--global-batch-size", 4, "--train-iters", 1,
+                        "--lr", 0, "--save", tmp_path / "ck", "--no-progress-bar")
+    assert code == 0, err
+    code, out, err = _cli(capsys, "evaluate", "--load", tmp_path / "ck", "--data-path", held, "--split", "0,1,0")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["global_batches"], result["samples"]) == (3, 12)  # every full global batch of 4, once
+    reference = _hf_loss(tiny_hf_model("gpt2").eval(), [_hf_labels(r) for r in held_records])
+    assert result["lm_loss"] == pytest.approx(reference, rel=1e-5)

@@ -15,7 +15,8 @@ first --eval-iters global batches.  A checkpoint written by `hf-megatron train` 
     hf-megatron evaluate --load ckpt --data-path corpus_text_document
 
 reproduces the run's `lm loss validation` at the checkpoint's weights.  Without recorded values:
---split 969,30,1, seed 1234, every full global batch of one epoch of the split.  A weighted blend
+--split 969,30,1, seed 1234, every full global batch of one epoch of the split (also the count for a run
+that never validated: no --eval-interval, or --eval-iters 0).  A weighted blend
 (`--data-path 0.3 A 0.7 B`) is scored as Megatron-LM validates it: the blend of each prefix's split,
 sized by the samples asked for (so --eval-iters, given or recorded, is needed).  A checkpoint
 trained with --sft (recorded too) is scored as training scored it, response tokens only; --sft

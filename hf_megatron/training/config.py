@@ -505,7 +505,7 @@ class EvalConfig:
     eval_iters: int | None = option(None, group="data", at_least=1,
                                     help="global batches to score, from the split's start as training's validation "
                                          "takes them (default: the checkpoint's training --eval-iters for the valid "
-                                         "split, else every full global batch)")
+                                         "split of a run that validated, else every full global batch)")
     micro_batch_size: int = same_as(TrainingConfig, "micro_batch_size")
     global_batch_size: int | None = option(None, group="training", at_least=1,
                                            help="samples per evaluation step over all dp ranks (default: the "
@@ -535,7 +535,8 @@ class EvalConfig:
         from training's defaults; the run's --eval-iters only when scoring the valid split."""
         names = ("split", "seed", "seq_length", "global_batch_size") + (("eval_iters",) if self.eval_split == "valid" else ())
         fallback = {"split": RunConfig.__dataclass_fields__["split"].default, "seed": TrainingConfig.seed}
-        recorded = {**recorded, "eval_iters": recorded.get("eval_iters") or None}  # 0: the run did not validate
+        # a run without --eval-interval (or with --eval-iters 0) did not validate: its eval_iters is no count
+        recorded = {**recorded, "eval_iters": (recorded.get("eval_interval") and recorded.get("eval_iters")) or None}
         values = {n: recorded.get(n) if recorded.get(n) is not None else fallback.get(n)
                   for n in names if getattr(self, n) is None}
         if not self.sft and recorded.get("sft"):  # scored as the run scored it: response tokens only
