@@ -162,6 +162,15 @@ class MegatronEngine(nn.Module):
                               "`with accelerator.accumulate(model):` instead")
         yield
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module's, then the optimizer's fp32 main weights (bf16 / fp16) are copied from the loaded
+        weights (megatron-core's `reload_model_params`): the next step updates what was loaded, as in
+        plain torch, instead of writing the stale main weights back over it."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        return result
+
     def save_checkpoint(self, output_dir) -> None:
         """accelerate's engine API: `accelerator.save_state(output_dir)` is the way to call it."""
         self.accelerator.save_state(output_dir)

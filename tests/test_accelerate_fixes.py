@@ -1,0 +1,43 @@
+"""The Accelerator's Megatron-LM path where a new user's script expects plain accelerate / torch
+behaviour (in-process gloo workers, tiny models): a load_state_dict into the prepared bf16 model is
+what the next step updates."""
+from __future__ import annotations
+
+import torch
+
+from dist import run_distributed
+from test_accelerate_state import _blocks, _env, _reset_accelerate
+
+
+def _prepared(tp: int, mixed_precision: str = "no", batch_size: int = 2, samples: int = 8, **accelerator_kwargs):
+    from torch.utils.data import DataLoader
+
+    from hf_megatron import Accelerator
+    from tiny import tiny_hf_model
+    _env(tp, 1, num_micro=1)
+    _reset_accelerate()
+    accelerator = Accelerator(mixed_precision=mixed_precision, **accelerator_kwargs)
+    model = tiny_hf_model("llama")
+    data = [{"input_ids": b, "labels": b} for b in _blocks(samples, model.config.vocab_size, seed=5)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    return accelerator, accelerator.prepare(model, optimizer, DataLoader(data, batch_size=batch_size))
+
+
+def _load_then_step(rank, world):
+    accelerator, (model, optimizer, loader) = _prepared(world, "bf16")
+    batches = list(loader)
+    model.train()
+    model(**batches[0])
+    snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+    model(**batches[1])
+    model.load_state_dict(snapshot)
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    model(**batches[2])  # at lr 0 the loaded weights stay as loaded (plain torch)
+    return {k: torch.equal(v, snapshot[k]) for k, v in model.state_dict().items()}
+
+
+def test_bf16_load_state_dict_is_what_the_next_step_updates():
+    for kept in run_distributed(_load_then_step, world_size=1):
+        assert kept and all(kept.values()), kept
+
