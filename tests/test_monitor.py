@@ -183,6 +183,13 @@ def test_loss_curve_goes_to_save_without_tensorboard_and_is_skipped_without_matp
     monitor.train_curve, monitor.valid_curve = [(1, 3.0), (2, 2.5), (3, 2.0)], [(3, 2.2)]
     assert monitor.plot() == str(tmp_path / "ckpt" / "loss_curve.png")
     assert (tmp_path / "ckpt" / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    mask = os.umask(0o022)  # the mode open() gives under the umask, as the checkpoint files (was mkstemp's 0600)
+    try:
+        monitor.plot()
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "ckpt" / "loss_curve.png").stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["loss_curve.png"]
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     monkeypatch.delitem(sys.modules, "hf_megatron.training.plot", raising=False)

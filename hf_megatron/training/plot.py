@@ -2,16 +2,18 @@
 matplotlib is an ImportError of this module only; the monitor then says it skipped the plot).
 
 Drawn on a bare `Figure` with the Agg canvas: no pyplot, so no global backend is switched and
-no window opens.  Written atomically (temporary file, then rename).
+no window opens.  Written atomically (temporary file, then rename), with the mode open() would give it.
 """
 from __future__ import annotations
 
 import math
 import os
-import tempfile
+from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from ..checkpoint.files import _write_atomic
 
 
 def write_loss_curve(path: str, train: list[tuple[int, float]], valid: list[tuple[int, float]]) -> str:
@@ -40,14 +42,8 @@ def write_loss_curve(path: str, train: list[tuple[int, float]], valid: list[tupl
     if all(math.isfinite(x) and x > 0 for x in losses):
         axes.set_title(f"lm loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     figure.tight_layout()
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".loss_curve.", suffix=".png", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            figure.savefig(out, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return os.path.abspath(path)
+    target = Path(os.path.abspath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # the checkpoint writer's temp + rename, which gives the file open()'s mode (0666 less the umask)
+    _write_atomic(target, lambda tmp: figure.savefig(tmp, format="png"))
+    return str(target)
