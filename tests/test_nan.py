@@ -34,6 +34,6 @@ def test_without_the_check_bad_steps_are_skipped_and_counted(workspace):
     code, out, err = cli_inprocess(*base_args(workspace, 4, "--lr", 1e30, "--save", save,
                                               "--no-check-for-nan-in-loss-and-grad"))
     assert code == 0, err
-    assert out.count("| grad norm: skipped |") == 3 and "number of skipped iterations: 3" in out
+    assert out.count("| grad norm: skipped |") == 3 and out.count("number of skipped iterations: 1 |") == 3
     summary = json.loads((save / "training_summary.json").read_text())
     assert summary["nan_iterations"] == summary["skipped_iterations"] == 3 and summary["iterations"] == 4

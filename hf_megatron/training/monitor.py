@@ -52,6 +52,15 @@ def scored(stats: dict) -> bool:
     return stats.get("num_tokens") != 0
 
 
+def _finite(stats: dict) -> bool:
+    return stats.get("loss") is not None and math.isfinite(stats["loss"])
+
+
+def _skipped(stats: dict) -> bool:
+    """No update applied: an fp16 overflow (or a non-finite step without the NaN check)."""
+    return bool(stats.get("skipped")) or stats.get("grad_norm") is None
+
+
 def _fmt_duration(seconds: float) -> str:
     return str(datetime.timedelta(seconds=int(round(seconds))))
 
@@ -227,10 +236,9 @@ class Monitor:
     def step(self, iteration: int, stats: dict) -> None:
         seconds = self._elapsed()
         loss, grad_norm = stats.get("loss"), stats.get("grad_norm")
-        skipped = bool(stats.get("skipped")) or grad_norm is None
-        finite = loss is not None and math.isfinite(loss)
+        finite = _finite(stats)
         shown = finite and scored(stats)  # a batch with no scored token: its loss 0 measures nothing (no NaN)
-        self.skipped += skipped
+        self.skipped += _skipped(stats)
         self.nans += not finite
         # another part of the loop may count them itself (e.g. across a resume): take the larger
         self.skipped = max(self.skipped, int(stats.get("skipped_iterations") or 0))
@@ -261,8 +269,7 @@ class Monitor:
         seconds = sum(s for s, _ in self.window) / len(self.window)
         rates = self.rates(max(seconds, 1e-9))
         last = self.window[-1][1]
-        losses = [s["loss"] for _, s in self.window if s.get("grad_norm") is not None and not s.get("skipped")
-                  and s["loss"] is not None and math.isfinite(s["loss"]) and scored(s)]
+        losses = [s["loss"] for _, s in self.window if not _skipped(s) and _finite(s) and scored(s)]
         loss = sum(losses) / len(losses) if losses else last.get("loss") if scored(last) else None
         memory, what = throughput.peak_memory_bytes(self.device)
         measured = self.step_seconds[1:] or self.step_seconds  # the first step also warms up
@@ -277,7 +284,9 @@ class Monitor:
         parts += [f"tokens/s: {rates['tokens_per_s']:,.0f}", f"learning rate: {logged_lr(last) or 0.0:.6E}",
                   f"lm loss: {loss:.6E}" if loss is not None else "lm loss: n/a",
                   f"loss scale: {last.get('loss_scale', 1.0):g}", f"grad norm: {grad}",
-                  f"number of skipped iterations: {self.skipped}", f"number of nan iterations: {self.nans}",
+                  # in this log interval, as Megatron-LM's training_log (it resets them after each line)
+                  f"number of skipped iterations: {sum(_skipped(s) for _, s in self.window)}",
+                  f"number of nan iterations: {sum(not _finite(s) for _, s in self.window)}",
                   f"peak memory ({what}): {mib(memory)}", f"ETA: {_fmt_duration(eta)}"]
         self.print(" | ".join(parts))
         self.scalars(iteration, {"iteration-time": seconds, "throughput": rates["tflops"],
