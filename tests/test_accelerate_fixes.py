@@ -1,9 +1,11 @@
 """The Accelerator's Megatron-LM path where a new user's script expects plain accelerate / torch
 behaviour (in-process gloo workers, tiny models): a load_state_dict into the prepared bf16 model is
-what the next step updates."""
+what the next step updates; `unwrap_model(model).save_pretrained(dir, state_dict=get_state_dict(model))`
+on every rank leaves the main process's weights (the other ranks' {} writes nothing)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from dist import run_distributed
 from test_accelerate_state import _blocks, _env, _reset_accelerate
@@ -40,4 +42,21 @@ def _load_then_step(rank, world):
 def test_bf16_load_state_dict_is_what_the_next_step_updates():
     for kept in run_distributed(_load_then_step, world_size=1):
         assert kept and all(kept.values()), kept
+
+
+def _save_pretrained_every_rank(rank, world, folder):
+    from transformers import AutoModelForCausalLM
+    accelerator, (model, _, _) = _prepared(world)
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    for writer in (True, False):  # the main process first: the others' {} must not undo its save
+        if accelerator.is_main_process == writer:
+            unwrapped.save_pretrained(folder, state_dict=state_dict)
+        dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    return all(torch.equal(reloaded[k], v) for k, v in unwrapped.state_dict().items())
+
+
+def test_save_pretrained_of_get_state_dict_on_every_rank_keeps_the_main_process_save(tmp_path):
+    assert run_distributed(_save_pretrained_every_rank, world_size=2, args=(str(tmp_path / "hf"),)) == [True, True]
 

@@ -115,7 +115,7 @@ def write_hf_folder(full: dict[str, torch.Tensor], config, out_dir: str | os.Pat
     _into_folder(out_dir, fill)
 
 
-def save_pretrained_here(model, save_directory, is_main_process: bool = True, state_dict=None,
+def save_pretrained_here(model, save_directory, is_main_process: bool | None = None, state_dict=None,
                          save_function=None, push_to_hub: bool = False, max_shard_size="5GB",
                          safe_serialization: bool = True, **kwargs) -> None:
     """`save_pretrained` of an unwrapped model: the process the caller names writes.
@@ -123,8 +123,10 @@ def save_pretrained_here(model, save_directory, is_main_process: bool = True, st
     transformers 5's own save_pretrained writes only on torch.distributed rank 0, whatever
     `is_main_process` says; under Megatron-LM accelerate's main process is the last rank, so
     `save_pretrained(dir, is_main_process=accelerator.is_main_process)` would write nothing.
-    Here the process with is_main_process=True writes safetensors (`save_function` is not
-    needed), config.json and generation_config.json."""
+    Here the process with is_main_process=True (default: accelerate's main process) writes
+    safetensors (`save_function` is not needed), config.json and generation_config.json.  A rank
+    given an empty state_dict (`accelerator.get_state_dict` off the main process) writes nothing:
+    it must not replace the main process's weights with a folder of only config.json."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
@@ -132,7 +134,10 @@ def save_pretrained_here(model, save_directory, is_main_process: bool = True, st
     if push_to_hub or not safe_serialization:
         raise ConfigError("unwrap_model(model).save_pretrained: push_to_hub / safe_serialization=False are not "
                           "supported under Megatron-LM; save, then push the folder with hf-megatron push")
-    if not is_main_process:
+    if is_main_process is None:
+        from accelerate.state import PartialState
+        is_main_process = PartialState().is_main_process  # under MEGATRON_LM: the last rank
+    if not is_main_process or (state_dict is not None and len(state_dict) == 0):
         return
     tensors = dict(state_dict if state_dict is not None else model.state_dict())
     if getattr(model.config, "tie_word_embeddings", False):
