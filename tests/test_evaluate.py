@@ -52,6 +52,7 @@ def test_evaluate_equals_the_training_runs_validation(trained):
     result = evaluate_cli("--load", root / "ckpt", "--data-path", root / "corpus_text_document")
     assert (result["data_split"], result["seed"], result["seq_length"]) == (SPLIT, 1234, SEQ)
     assert result["samples"] == EVAL_ITERS * GBS and result["tokens"] == EVAL_ITERS * GBS * SEQ
+    assert result["first_sample"] == 3 * EVAL_ITERS * GBS  # validation 4 (at 8) scores the 4th eval_iters batches
     assert result["lm_loss"] == pytest.approx(validation, rel=1e-6)  # the log prints 7 digits
     assert result["ppl"] == pytest.approx(math.exp(result["lm_loss"]), rel=1e-12)
 

@@ -95,3 +95,31 @@ def test_evaluate_of_a_run_that_never_validated_scores_one_epoch(tmp_path, hf_fo
     assert (result["global_batches"], result["samples"]) == (3, 12)  # every full global batch of 4, once
     reference = _hf_loss(tiny_hf_model("gpt2").eval(), [_hf_labels(r) for r in held_records])
     assert result["lm_loss"] == pytest.approx(reference, rel=1e-5)
+
+
+def _validations(out: str) -> dict[int, float]:
+    return {int(line.split("iteration ")[1].split()[0]): float(line.split("lm loss value: ")[1].split()[0])
+            for line in out.splitlines() if line.startswith(" validation loss at iteration ")}
+
+
+def test_each_validation_scores_the_next_batches_and_a_resume_continues_them(tmp_path, hf_folder, capsys):
+    """Megatron-LM's one valid iterator per run: validation k scores the k-th --eval-iters global batches;
+    consumed_valid_samples is saved and restored, and `evaluate --load` scores the latest validation's
+    batches (from the split's start with --split given).  lr 0: the weights never change."""
+    prefix = _preprocess(tmp_path, "d", _records(40, seed=9))
+    flags = ["train", "--hf-model", hf_folder, "--sft", "--data-path", prefix, "--split", "1,1,0", "--seq-length", SEQ,
+             "--micro-batch-size", 2, "--global-batch-size", 2, "--train-iters", 4, "--lr", 0, "--eval-interval", 1,
+             "--eval-iters", 1, "--no-progress-bar"]
+    code, out, err = _cli(capsys, *flags, "--save", tmp_path / "whole")
+    assert code == 0, err
+    whole = _validations(out)
+    assert sorted(whole) == [1, 2, 3, 4] and len(set(whole.values())) == 4
+    code, out, err = _cli(capsys, *flags, "--save", tmp_path / "parts", "--exit-interval", 2)
+    assert code == 0 and _validations(out) == {1: whole[1], 2: whole[2]}, err
+    code, out, err = _cli(capsys, *flags, "--save", tmp_path / "parts", "--load", tmp_path / "parts")
+    assert code == 0 and _validations(out) == {3: whole[3], 4: whole[4]}, err
+    for extra, first, expected in (((), 6, whole[4]), (("--split", "1,1,0"), 0, whole[1])):
+        code, out, err = _cli(capsys, "evaluate", "--load", tmp_path / "whole", "--data-path", prefix, *extra)
+        assert code == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["first_sample"] == first and result["lm_loss"] == pytest.approx(expected, rel=1e-6)

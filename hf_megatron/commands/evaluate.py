@@ -7,14 +7,16 @@
 
 `--load` takes a Megatron checkpoint saved in any tp / pp layout (its weights are read whole and
 cut for this run's layout); `--hf-model` an HF folder or Hub id.  The samples are the ones the
-training run's validation scores: the split's GPT dataset, built as that run built it, and its
-first --eval-iters global batches.  A checkpoint written by `hf-megatron train` records
---split, --seed, --seq-length, --global-batch-size, --train-iters, --eval-interval and
---eval-iters (Megatron-LM's arg names); unset flags take those values, so
+training run's validation scores: the split's GPT dataset, built as that run built it, and the
+--eval-iters global batches of the run's latest validation (validation k scores the k-th ones, as
+Megatron-LM's one valid iterator; JSON `first_sample`), from the split's start when --split is given.
+A checkpoint written by `hf-megatron train` records --split, --seed, --seq-length,
+--global-batch-size, --train-iters, --eval-interval, --eval-iters and consumed_valid_samples
+(Megatron-LM's arg names); unset flags take those values, so
 
     hf-megatron evaluate --load ckpt --data-path corpus_text_document
 
-reproduces the run's `lm loss validation` at the checkpoint's weights.  Without recorded values:
+reproduces the run's `lm loss validation` at the checkpoint's weights (saved at a validation).  Without recorded values:
 --split 969,30,1, seed 1234, every full global batch of one epoch of the split (also the count for a run
 that never validated: no --eval-interval, or --eval-iters 0).  A weighted blend
 (`--data-path 0.3 A 0.7 B`) is scored as Megatron-LM validates it: the blend of each prefix's split,
@@ -55,11 +57,24 @@ def recorded_args(load: str | None) -> dict:
     return checkpoint_info(load).get("args") or {}
 
 
-def validation_samples(ecfg: EvalConfig, recorded: dict, gbs: int) -> int | None:
+def validation_start(ecfg: EvalConfig, recorded: dict) -> int:
+    """The first sample to score (`ecfg` as given, before `with_recorded`): for the valid split of a
+    run that validated, scored on that run's own --split, the first sample of its latest validation
+    (Megatron-LM's consumed_valid_samples less one validation of eval_iters x global batch: validation
+    k scores the k-th eval_iters global batches), so a checkpoint saved at a validation reproduces it;
+    else 0, the split's start."""
+    keys = ("eval_interval", "eval_iters", "global_batch_size")
+    if ecfg.eval_split != "valid" or ecfg.split is not None or not all(recorded.get(k) for k in keys):
+        return 0
+    latest = int(recorded.get("consumed_valid_samples") or 0) - recorded["eval_iters"] * recorded["global_batch_size"]
+    return max(latest, 0)
+
+
+def validation_samples(ecfg: EvalConfig, recorded: dict, gbs: int, start: int = 0) -> int | None:
     """Samples to build the split with: for the valid split of a run that evaluated, what that run
     asked for (Megatron-LM's count: (train_iters // eval_interval + 1) * eval_iters * global batch),
     so the split is shuffled as it was; else this evaluation's need (None = one epoch)."""
-    need = ecfg.eval_iters * gbs if ecfg.eval_iters else None
+    need = start + ecfg.eval_iters * gbs if ecfg.eval_iters else None
     keys = ("train_iters", "eval_interval", "eval_iters", "global_batch_size")
     if ecfg.eval_split != "valid" or not all(recorded.get(k) for k in keys):
         return need
@@ -115,6 +130,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
 
     check_output_folders(ecfg)
     recorded = recorded_args(ecfg.load)
+    start = validation_start(ecfg, recorded)
     ecfg = ecfg.with_recorded(recorded)
     cfg = ecfg.training_config()
     model_config = _model_config(ecfg)
@@ -130,7 +146,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
     gbs = cfg.micro_batch_size * grid.dp * cfg.num_micro_batches(grid.dp)
     which = EVAL_SPLITS.index(ecfg.eval_split)
     wanted = [None, None, None]
-    wanted[which] = validation_samples(ecfg, recorded, gbs)
+    wanted[which] = validation_samples(ecfg, recorded, gbs, start)
     if weights is not None and wanted[which] is None:
         # Megatron-LM samples a weighted blend by count (eval_iters x global batch per evaluation): no epoch
         raise ConfigError(f"EvalConfig.eval_iters (--eval-iters): expected a number of global batches to score "
@@ -141,19 +157,23 @@ def evaluate(ecfg: EvalConfig) -> dict:
                                 data_cache_path=ecfg.data_cache_path, sft=ecfg.sft, sft_pack=ecfg.sft_pack)
     dataset = build_datasets(run, cfg.seed, tuple(wanted), vocab_size=model_config.vocab_size,
                              skip_splits=[name for name in EVAL_SPLITS if name != ecfg.eval_split])[which]
-    batches = len(dataset) // gbs if ecfg.eval_iters is None else min(ecfg.eval_iters, len(dataset) // gbs)
-    if batches == 0:
+    full = (len(dataset) - start) // gbs
+    batches = full if ecfg.eval_iters is None else min(ecfg.eval_iters, full)
+    if batches <= 0:
         raise DataError(f"--data-path {data}: the {ecfg.eval_split} split of --split {ecfg.split!r} has {len(dataset)} "
                         f"samples of {seq_length} tokens, fewer than one global batch of {gbs}")
     chunks = _model(ecfg, cfg, device)
-    loss = _evaluate(chunks, dataset, cfg, types.SimpleNamespace(**{**vars(run), "eval_iters": batches}), device)
+    loss = _evaluate(chunks, dataset, cfg, types.SimpleNamespace(**{**vars(run), "eval_iters": batches}), device,
+                     start)
     result = {"split": ecfg.eval_split, "lm_loss": loss, "ppl": ppl(loss), "global_batches": batches,
+              "first_sample": start,
               "samples": batches * gbs, "tokens": batches * gbs * seq_length, "seq_length": seq_length,
               "data_split": ecfg.split, "seed": cfg.seed, "sft": ecfg.sft, "tp": grid.tp, "pp": grid.pp,
               "dp": grid.dp}
     if grid.rank == logging_rank(grid.world, grid.pp):
         print(f" {ecfg.eval_split} loss of {ecfg.load or ecfg.hf_model} on {data} (--split {ecfg.split}, seed "
               f"{cfg.seed}{', --sft' if ecfg.sft else ''}) | {batches} global batches of {gbs} x {seq_length} tokens "
+              f"{f'from sample {start} ' if start else ''}"
               f"| lm loss value: {loss:.6E} | lm loss PPL: {ppl(loss):.6E} | tp={grid.tp} pp={grid.pp} dp={grid.dp}",
               flush=True)
         print(json.dumps(result), flush=True)

@@ -503,9 +503,10 @@ class EvalConfig:
     sft_pack: bool = option(False, group="data", help="with --sft: samples packed as `train --sft-pack` packs them "
                                                       "(default: the checkpoint's training --sft-pack)")
     eval_iters: int | None = option(None, group="data", at_least=1,
-                                    help="global batches to score, from the split's start as training's validation "
-                                         "takes them (default: the checkpoint's training --eval-iters for the valid "
-                                         "split of a run that validated, else every full global batch)")
+                                    help="global batches to score (default: the checkpoint's training --eval-iters for the "
+                                         "valid split of a run that validated, else every full global batch), from "
+                                         "the split's start, or for a checkpoint's own valid split (no --split) from "
+                                         "its latest validation's first sample")
     micro_batch_size: int = same_as(TrainingConfig, "micro_batch_size")
     global_batch_size: int | None = option(None, group="training", at_least=1,
                                            help="samples per evaluation step over all dp ranks (default: the "

@@ -5,7 +5,8 @@
     loop: global batch -> train_step -> NaN check -> log (stdout, tensorboard) -> eval -> save -> exit?
 
 Runs in one process or under torchrun (NCCL on GPUs, gloo on CPUs).  Resume: `--load DIR`
-restores model, optimizer, scheduler and RNG, and the data continues after the consumed samples.
+restores model, optimizer, scheduler and RNG, and the data continues after the consumed samples
+(the validations too: each scores the next --eval-iters global batches of the valid split).
 Stops (signals.py): --exit-signal-handler, --exit-interval, --exit-duration-in-mins save and
 return normally.  A NaN/inf step in fp32/bf16 raises NonFiniteError before anything is saved.
 One run per --save folder (lock.py).
@@ -168,9 +169,12 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
     tokenizer_files.check_vocab(tokenizer, chunks[0].config.vocab_size)
     iteration, consumed = restored.iteration, restored.consumed_samples
     monitor.note(f" {restored.source}")
+    consumed_valid = restored_valid_samples(start, iteration, run, gbs)
     eval_samples = 0
-    if run.validates():
-        eval_samples = (cfg.train_iters // run.eval_interval + 1) * run.eval_iters * gbs
+    if run.validates():  # Megatron-LM's count; a resume with another global batch may need more
+        per_validation = run.eval_iters * gbs
+        eval_samples = max((cfg.train_iters // run.eval_interval + 1) * per_validation, consumed_valid
+                           + (cfg.train_iters // run.eval_interval - iteration // run.eval_interval) * per_validation)
     train_ds, valid_ds, _ = build_datasets(
         run, cfg.seed,
         (max(cfg.train_iters * gbs, consumed + (cfg.train_iters - iteration) * gbs), eval_samples or None, None),
@@ -227,8 +231,8 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         if not dist.is_initialized() or dist.get_rank() == 0:
             tokenizer_files.copy_into_save(tokenizer, run.save)
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
-                        extra={"consumed_train_samples": consumed, "loss": loss,
-                               "train_tokens": consumed * run.seq_length},
+                        extra={"consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
+                               "loss": loss, "train_tokens": consumed * run.seq_length},
                         rng_state=runner.rng_state() if runner is not None else None)
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
@@ -258,7 +262,9 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         history.append(loss)
         monitor.step(iteration, stats)
         if run.eval_interval and valid_ds is not None and iteration % run.eval_interval == 0:
-            monitor.validation(iteration, _evaluate(chunks, valid_ds, cfg, run, device))
+            # one valid iterator for the run, as Megatron-LM's: each validation scores the next eval_iters batches
+            monitor.validation(iteration, _evaluate(chunks, valid_ds, cfg, run, device, consumed_valid))
+            consumed_valid += run.eval_iters * gbs
             if sampler is not None:
                 monitor.sample(iteration, sampler.prompt, sampler(chunks, iteration))
         if run.save and run.save_interval and iteration % run.save_interval == 0:
@@ -304,6 +310,16 @@ def _evaluate(chunks, dataset, cfg, run, device, consumed: int = 0) -> float:
         raise DataError(f"--data-path {' '.join(run.data_path)}: no window of the {run.eval_iters} evaluated global "
                         f"batches has a scored token{_why_unscored(run)}")
     return loss_sum / tokens
+
+
+def restored_valid_samples(start, iteration: int, run, gbs: int) -> int:
+    """Megatron-LM's consumed_valid_samples when a run resumes: what the checkpoint recorded, else (a
+    checkpoint without it) one validation of eval_iters global batches per eval_interval iterations."""
+    if start.kind != "resume" or not iteration or not run.validates():
+        return 0
+    from .checkpoint import checkpoint_info
+    saved = (checkpoint_info(start.megatron_dir, iteration).get("args") or {}).get("consumed_valid_samples")
+    return int(saved) if saved else iteration // run.eval_interval * run.eval_iters * gbs
 
 
 def _why_unscored(run) -> str:
