@@ -60,3 +60,20 @@ def _save_pretrained_every_rank(rank, world, folder):
 def test_save_pretrained_of_get_state_dict_on_every_rank_keeps_the_main_process_save(tmp_path):
     assert run_distributed(_save_pretrained_every_rank, world_size=2, args=(str(tmp_path / "hf"),)) == [True, True]
 
+
+def _short_last_batch(rank, world):
+    accelerator, (model, _, loader) = _prepared(world, samples=5)
+    model.train()
+    sizes, seen = [], []
+    for batch in loader:
+        sizes.append(len(batch["input_ids"]))
+        seen.append(accelerator.gather_for_metrics(batch["input_ids"]))
+        model(**batch)
+    return {"sizes": sizes, "len": len(loader), "seen": torch.cat(seen), "expected": loader.dataset}
+
+
+def test_dp1_short_last_batch_is_not_padded():
+    """At dp 1 (tp 2 here) plain accelerate's one process yields [2, 2, 1], not sample 0 again."""
+    for r in run_distributed(_short_last_batch, world_size=2):
+        assert r["sizes"] == [2, 2, 1] and r["len"] == 3, r
+        assert torch.equal(r["seen"], torch.stack([s["input_ids"] for s in r["expected"]]))

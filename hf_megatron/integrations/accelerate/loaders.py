@@ -3,7 +3,8 @@ plus the position a checkpoint needs to continue exactly.
 
 Sharding: over the *data-parallel* ranks only (the TP and PP ranks of one model replica read
 the same batches, in the same shuffle: under MEGATRON_LM accelerate synchronises the shuffle
-generator even at dp = 1), `even_batches` as accelerate does it.  Batch size: micro_batch_size x
+generator even at dp = 1), `even_batches` as accelerate does it at dp > 1 (at dp = 1 the short last
+batch stays short, as plain accelerate with one process yields it).  Batch size: micro_batch_size x
 num_micro_batches samples per dp rank per step (see plugin.py for micro_batch_size).
 
 Position.  accelerate draws each epoch's shuffle from a generator synchronised over the ranks at
@@ -86,11 +87,14 @@ def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device,
     rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, drop_last=loader.drop_last,
                                           **sampler, **kwargs)
     grid = state.get_state()
+    # even_batches evens out the dp ranks' last batches (duplicating samples); with one dp rank there is nothing
+    # to even out and plain accelerate with one process yields the short last batch as it is
+    even_batches = config.even_batches and grid.dp > 1
     # dispatch_batches False: accelerate's default for an IterableDataset (True) would broadcast the world's main
     # process's batches over all ranks, each taking its slice -- the tp ranks of one replica would differ
     prepared = prepare_data_loader(rebuilt, device, num_processes=grid.dp, process_index=grid.rank_in("dp"),
                                    split_batches=False, put_on_device=True, rng_types=list(rng_types or []),
-                                   dispatch_batches=False, even_batches=config.even_batches,
+                                   dispatch_batches=False, even_batches=even_batches,
                                    use_seedable_sampler=config.use_seedable_sampler,
                                    non_blocking=config.non_blocking)
     if type(prepared) is DataLoaderShard:
