@@ -1,9 +1,11 @@
 """The Accelerator's Megatron-LM path where a new user's script expects plain accelerate / torch
 behaviour (in-process gloo workers, tiny models): a load_state_dict into the prepared bf16 model is
 what the next step updates; `unwrap_model(model).save_pretrained(dir, state_dict=get_state_dict(model))`
-on every rank leaves the main process's weights (the other ranks' {} writes nothing)."""
+on every rank leaves the main process's weights (the other ranks' {} writes nothing); a short last
+batch at dp 1 stays short; bf16 weights read back are the fp32 main weights."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -77,3 +79,43 @@ def test_dp1_short_last_batch_is_not_padded():
     for r in run_distributed(_short_last_batch, world_size=2):
         assert r["sizes"] == [2, 2, 1] and r["len"] == 3, r
         assert torch.equal(r["seen"], torch.stack([s["input_ids"] for s in r["expected"]]))
+
+
+def _bf16_weights(rank, world, tp, distributed):
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from hf_megatron.integrations.accelerate.weights import gather_full, hf_state_dict
+    os.environ["MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER"] = str(distributed).lower()
+    accelerator, (model, _, loader) = _prepared(tp, "bf16")
+    model.train()
+    for batch in loader:
+        model(**batch)
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model).state_dict()
+    accelerator.save_model(model, folder := f"{os.environ['TEST_FOLDER']}/saved")
+    chunks = list(model.chunks)
+    bf16 = gather_full(chunks, dst=None)  # the model's own (bf16) weights
+    bf16 = hf_state_dict(bf16, chunks[0].config)
+    if not accelerator.is_main_process:
+        return None
+    saved = load_file(f"{folder}/model.safetensors")
+    return {"dtypes": {str(t.dtype) for d in (state_dict, unwrapped, saved) for t in d.values()},
+            "config_dtype": json.load(open(f"{folder}/config.json")).get("dtype"),
+            "rounds_to_model": all(torch.equal(state_dict[k].bfloat16(), bf16[k]) for k in state_dict),
+            "finer_than_bf16": any(not torch.equal(v.bfloat16().float(), v) for v in state_dict.values()),
+            "same": all(torch.equal(state_dict[k], unwrapped[k]) for k in state_dict)
+            and all(torch.equal(state_dict[k], saved[k]) for k in saved)}
+
+
+@pytest.mark.parametrize("tp,distributed", [(2, False), (1, True)])
+def test_bf16_weights_are_the_fp32_main_weights(tmp_path, monkeypatch, tp, distributed):
+    """Plain accelerate's bf16 (autocast over fp32 params) saves fp32: get_state_dict, unwrap_model and
+    save_model give the optimizer's fp32 main weights (tp 2 gathered; dp 2 with the distributed optimizer,
+    whose shards are assembled), config.json says float32."""
+    monkeypatch.setenv("TEST_FOLDER", str(tmp_path))
+    main = run_distributed(_bf16_weights, world_size=2, args=(tp, distributed))[-1]
+    assert main == {"dtypes": {"torch.float32"}, "config_dtype": "float32", "rounds_to_model": True,
+                    "finer_than_bf16": True, "same": True}, main

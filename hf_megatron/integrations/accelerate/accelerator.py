@@ -372,7 +372,7 @@ class Accelerator(accelerate.Accelerator):
         if not (self.megatron and isinstance(model, MegatronEngine)):
             return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
         chunks = list(model.chunks)
-        return transformers_model(gather_full(chunks, dst=None), chunks[0].config, model.hf_config)
+        return transformers_model(gather_full(chunks, dst=None, optimizer=model.optimizer), chunks[0].config, model.hf_config)
 
     def get_state_dict(self, model, unwrap: bool = True):
         """Under Megatron-LM: the full state dict under transformers' names on the main process
@@ -380,7 +380,7 @@ class Accelerator(accelerate.Accelerator):
         if not (self.megatron and isinstance(model, MegatronEngine)):
             return super().get_state_dict(model, unwrap)
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=self._main_rank())
+        full = gather_full(chunks, dst=self._main_rank(), optimizer=model.optimizer)
         return hf_state_dict(full, chunks[0].config) if full is not None else {}
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization: bool = True):
@@ -392,7 +392,7 @@ class Accelerator(accelerate.Accelerator):
             raise ConfigError("accelerator.save_model(safe_serialization=False) is not supported under Megatron-LM; "
                               "it writes safetensors")
         chunks = list(model.chunks)
-        full = gather_full(chunks, dst=self._main_rank())
+        full = gather_full(chunks, dst=self._main_rank(), optimizer=model.optimizer)
         if full is not None:
             write_hf_folder(full, chunks[0].config, save_directory, max_shard_size)
         _barrier()

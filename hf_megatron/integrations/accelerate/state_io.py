@@ -137,7 +137,7 @@ def save_state(accelerator, engine, output_dir=None) -> str:
     if engine.user_scheduler is not None:
         extra["user_scheduler"] = engine.user_scheduler.state_dict()
     save_checkpoint(folder, engine.iteration, chunks, engine.optimizer, engine.scheduler, extra=extra)
-    full = gather_full(chunks, dst=accelerator.num_processes - 1)  # the main process: the last rank
+    full = gather_full(chunks, dst=accelerator.num_processes - 1, optimizer=engine.optimizer)  # the main process: the last rank
     if full is not None:
         write_hf_folder(full, chunks[0].config, folder)
     _save_custom_objects(accelerator, folder)

@@ -6,6 +6,8 @@ them on one rank (or all) and merges each tensor with the same plan that split i
 (`parallel.sharding.merge_tensor`: TP concatenation, per-part for fused tensors, vocab padding
 removed); the mapping table (`architectures.mcore_to_hf`) then gives transformers' names.  The
 last stage's copy of tied word embeddings is dropped (it equals the first stage's).
+Under bf16 / fp16 the weights are the optimizer's fp32 main weights (`fp32_main_weights`), what
+plain accelerate's mixed precision trains and saves (fp32 params under autocast).
 
 These are collectives: every rank calls them.  Memory: the full model on the receiving rank(s),
 on CPU.
@@ -30,25 +32,48 @@ from ...parallel.sharding import merge_tensor
 WEIGHT_FILE_PREFIXES = ("model.safetensors", "model-0", "pytorch_model")
 
 
-def _local_shard(chunks) -> dict[str, torch.Tensor]:
+@torch.no_grad()
+def fp32_main_weights(optimizer) -> dict[int, torch.Tensor]:
+    """id(param) -> its fp32 main weight (the optimizer's), for every bf16 / fp16 param: what plain
+    accelerate's mixed precision (autocast over fp32 params) trains and saves.  A distributed
+    optimizer holds each param's elements on one dp rank: summed over the dp group (every dp rank
+    calls this), the others contributing zeros."""
+    if optimizer is None:
+        return {}
+    low = [p for p in optimizer.model_params if p.dtype != torch.float32]
+    full = {id(p): torch.zeros(p.numel(), dtype=torch.float32, device=p.device) for p in low}
+    for (p, lo, hi), main, view in zip(optimizer.fragments, optimizer.main_params, optimizer._model_views):
+        if view is not None:
+            full[id(p)][lo:hi] = main.view(-1)
+    group = optimizer.dp_group
+    if optimizer.sharded and low and group is not None and dist.get_world_size(group) > 1:
+        flat = torch.cat([full[id(p)] for p in low])
+        dist.all_reduce(flat, group=group)
+        full = dict(zip([id(p) for p in low], flat.split([p.numel() for p in low])))
+    return {id(p): full[id(p)].view_as(p) for p in low}
+
+
+def _local_shard(chunks, optimizer=None) -> dict[str, torch.Tensor]:
+    mains = fp32_main_weights(optimizer)
     grid = state.get_state()
     if grid.coords["dp"] != 0 or grid.coords["cp"] != 0:
         return {}  # data-parallel replicas hold the same values
     config = chunks[0].config
     local = {}
     for chunk in chunks:
-        for name, tensor in chunk.state_dict().items():
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
             if name == "output_layer.weight" and config.tie_word_embeddings:
                 continue  # the last stage's copy of the tied table
-            local[name] = tensor.detach().to("cpu", copy=True)
+            local[name] = mains.get(id(tensor), tensor).detach().to("cpu", copy=True)
     return local
 
 
-def gather_full(chunks, dst: int | None) -> dict[str, torch.Tensor] | None:
-    """Full megatron-core tensors on global rank `dst` (None: on every rank); None elsewhere."""
+def gather_full(chunks, dst: int | None, optimizer=None) -> dict[str, torch.Tensor] | None:
+    """Full megatron-core tensors on global rank `dst` (None: on every rank); None elsewhere.
+    With the engine's `optimizer`, bf16 / fp16 params are its fp32 main weights (fp32_main_weights)."""
     config = chunks[0].config
     grid = state.get_state()
-    mine = (grid.coords["tp"], _local_shard(chunks))
+    mine = (grid.coords["tp"], _local_shard(chunks, optimizer))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         parts: list | None = [None] * dist.get_world_size()
         if dst is None:
