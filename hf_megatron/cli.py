@@ -55,9 +55,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """parse_args, except that a flag no verb takes is reported by that verb's parser (its usage,
+    `hf-megatron <verb>: error: unrecognized arguments: ...`, naming Megatron-LM's flags as such),
+    not by the top-level one."""
+    from .commands.flags import unknown_megatron_lm_flags, unrecognized
+    verb, rest = parser, argv  # the innermost (sub)command named, e.g. `convert megatron-to-hf`
+    while rest:
+        nested = [a for a in verb._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested or rest[0] not in nested[0].choices:
+            break
+        verb, rest = nested[0].choices[rest[0]], rest[1:]
+    if verb is not parser and (megatron := unknown_megatron_lm_flags(verb, rest)):
+        verb.error(unrecognized(megatron))
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        verb.error(unrecognized(extras))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -349,3 +349,19 @@ def test_a_load_saved_in_another_layout_names_the_reshard_command(workspace, tmp
     assert line == (f"hf-megatron train: error: {tmp_path / 'pp2' / 'iter_0000001'}: saved with tp=1, pp=2 but this run "
                     "has tp=1, pp=1; reshard it first (README: Resume in another layout): `hf-megatron reshard --src "
                     f"{tmp_path / 'pp2'} --out NEW --tp 1 --pp 1 --with-optimizer`, then --load NEW")
+
+
+def test_megatron_lm_flags_hf_megatron_lacks_are_named_under_the_verbs_usage(workspace, tmp_path):
+    """They failed with the top-level usage ('usage: hf-megatron [-h] <verb> ...') and no hint."""
+    code, _, err = cli_inprocess("--mock-data", "--seq-length", 32)  # reported before the missing --data-path
+    assert code == 2 and err.startswith("usage: hf-megatron train [-h]"), err[:300]
+    assert err.strip().splitlines()[-1] == ("hf-megatron train: error: unrecognized arguments: --mock-data "
+                                            "(Megatron-LM's --mock-data is not supported by hf-megatron)")
+    code, _, err = cli_inprocess(*base_args(workspace, 1, "--ckpt-format", "torch", "--bogus-flag"))
+    assert err.strip().splitlines()[-1] == ("hf-megatron train: error: unrecognized arguments: --ckpt-format "
+                                            "--bogus-flag (Megatron-LM's --ckpt-format is not supported by "
+                                            "hf-megatron)"), err[-500:]
+    # implementation choices hf-megatron has one of: accepted, no effect
+    code, _, err = _train(workspace, tmp_path / "noop", 1, "--use-mcore-models", "--transformer-impl", "local",
+                          "--no-masked-softmax-fusion")
+    assert code == 0, err[-2000:]

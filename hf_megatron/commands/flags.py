@@ -61,6 +61,40 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
                     help=f"turn {flag_of(f.name)} off" + (" (the default)" if f.default is False else ""))
 
 
+def add_megatron_lm_no_ops(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM flags that pick among implementations hf-megatron has one of, accepted and ignored:
+    they change no number here.  (--attention-softmax-in-fp32 is not among them: it asks for a
+    precision, which hf-megatron cannot promise on every attention path.)"""
+    group = parser.add_argument_group("Megatron-LM flags accepted with no effect (hf-megatron has one "
+                                      "implementation)")
+    group.add_argument("--use-mcore-models", action="store_true", dest="_use_mcore_models",
+                       help="megatron-core's GPTModel: the model is always built under its names")
+    group.add_argument("--transformer-impl", choices=("local",), dest="_transformer_impl",
+                       help="megatron-core's local layers (Transformer Engine's are not supported)")
+    group.add_argument("--no-masked-softmax-fusion", action="store_true", dest="_no_masked_softmax_fusion",
+                       help="hf-megatron has no fused masked-softmax kernel to turn off")
+
+
+def unrecognized(tokens: list[str]) -> str:
+    """argparse's "unrecognized arguments" message, saying which of them are Megatron-LM's flags."""
+    from .megatron_lm_flags import MEGATRON_LM_FLAGS
+    megatron = [t.split("=")[0] for t in tokens if t.startswith("--") and t.split("=")[0][2:] in MEGATRON_LM_FLAGS]
+    message = f"unrecognized arguments: {' '.join(tokens)}"
+    if megatron:
+        message += (f" (Megatron-LM's {', '.join(megatron)} {'is' if len(megatron) == 1 else 'are'} not supported "
+                    "by hf-megatron)")
+    return message
+
+
+def unknown_megatron_lm_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags in `argv` that `parser` does not take, where one of them is Megatron-LM's (found
+    before argparse's own checks, so a missing --data-path is not reported first for --mock-data)."""
+    from .megatron_lm_flags import MEGATRON_LM_FLAGS
+    unknown = [t for t in argv if t.startswith("--") and len(t) > 2
+               and t.split("=")[0] not in parser._option_string_actions]
+    return unknown if any(t.split("=")[0][2:] in MEGATRON_LM_FLAGS for t in unknown) else []
+
+
 def configs_from_args(args: argparse.Namespace, *config_classes: type) -> list:
     """The parsed flags back into one instance of each config class (validated by its __post_init__)."""
     return [cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init})

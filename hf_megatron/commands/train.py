@@ -22,13 +22,14 @@ import argparse
 
 from ..errors import ConfigError
 from ..training.config import RunConfig, TrainingConfig
-from .flags import add_flags, configs_from_args
+from .flags import add_flags, add_megatron_lm_no_ops, configs_from_args
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a GPT model (run under torchrun for several processes)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(p, RunConfig, TrainingConfig)
+    add_megatron_lm_no_ops(p)
     p.set_defaults(func=run)
 
 
