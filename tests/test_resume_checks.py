@@ -57,3 +57,14 @@ def test_iter_folders_without_a_tracker_are_refused_not_overwritten(workspace, c
             and "echo 2 > " in line), line
     assert sorted(p.name for p in folder.glob("iter_*")) == ["iter_0000001", "iter_0000002"]
     assert not (folder / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_ckpt_step_resumes_that_iteration_and_names_the_ones_there(workspace, checkpoint, tmp_path):
+    """Megatron-LM's --ckpt-step N: iter_N instead of the tracker's iteration (2 here)."""
+    code, out, err = _resume(workspace, checkpoint, "--ckpt-step", 1, "--lr-decay-iters", 4, save=tmp_path / "from1")
+    assert code == 0, err[-2000:]
+    assert f"resuming from {checkpoint} iteration 1" in out and "iteration      2/3" in out, out[-3000:]
+    assert (tmp_path / "from1" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    line = error_line(_resume(workspace, checkpoint, "--ckpt-step", 5, save=tmp_path / "from5"))
+    assert f"--ckpt-step 5: {checkpoint} has no iter_0000005; its iterations: iter_0000001, iter_0000002" in line
+    assert not (tmp_path / "from5").exists()

@@ -332,6 +332,9 @@ class RunConfig(ModelFlags):
         None, group="checkpointing and logging",
         help="checkpoint folder to resume from (the folder holding latest_checkpointed_iteration.txt); a missing "
              "or empty folder is an error, except when it is this run's --save folder (a new run starts fresh)")
+    ckpt_step: int | None = option(None, group="checkpointing and logging", at_least=0,
+                                   help="with --load: load this iteration (its iter_* folder) instead of the one "
+                                        "latest_checkpointed_iteration.txt names (Megatron-LM's --ckpt-step)")
     pretrained_checkpoint: str | None = option(
         None, group="fine-tuning",
         help="weights to fine-tune when --load holds no checkpoint yet: a Megatron checkpoint folder (also a "

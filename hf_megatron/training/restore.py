@@ -69,14 +69,15 @@ def build_training_state(run: RunConfig, cfg: trainer.TrainingConfig, start: Sta
     if start.kind == "finetune":
         if start.megatron_dir is not None:
             for chunk in chunks:  # any saved layout: full tensors, cut for this rank
-                load_megatron_weights(chunk, start.megatron_dir)
+                load_megatron_weights(chunk, start.megatron_dir, start.iteration)
         optimizer.reload_model_params()  # its fp32 main weights were copied from the model before the load
         restored.source = f"fine-tuning from {start.megatron_dir or start.hf_source} (weights only, iteration 0)"
     elif start.kind == "resume":
         info: dict[str, Any] = {}
         load_optim = not run.no_load_optim
         restored.iteration = load_checkpoint(start.megatron_dir, chunks, optimizer if load_optim else None,
-                                             scheduler if load_optim else None, load_rng=False,
+                                             scheduler if load_optim else None, iteration=start.iteration,
+                                             load_rng=False,
                                              scheduler_policy=_scheduler_policy(run), info=info)
         if not load_optim:  # Megatron-LM's load_checkpoint: optimizer.reload_model_params()
             optimizer.reload_model_params()

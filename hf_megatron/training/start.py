@@ -1,6 +1,7 @@
 """Where a training run starts, decided before any model is built (Megatron-LM's rules).
 
     --load DIR with a checkpoint          resume: model, optimizer, LR schedule, RNG, data position
+                                          (of the tracker's iteration, or --ckpt-step N's iter_N)
                                           (--finetune, or a `release` checkpoint: weights only, iteration 0;
                                           --no-load-optim / --no-load-rng drop those parts)
     --load = --save folder, no checkpoint a new run: --pretrained-checkpoint's weights (fine-tune,
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.files import TRACKER, read_tracker
+from ..checkpoint.files import TRACKER, iter_dir_name, read_tracker
 from ..config import ModelConfig
 from ..errors import CheckpointError, ConfigError
 from .config import RunConfig
@@ -35,10 +36,15 @@ class Start:
     kind: str
     megatron_dir: Path | None = None
     hf_source: str | None = None
+    iteration: int | None = None  # of megatron_dir to load (--ckpt-step); None: the tracker's
 
     @property
     def weights_from_megatron(self) -> bool:
         return self.megatron_dir is not None
+
+    def iteration_to_load(self) -> int | str:
+        """The iteration of megatron_dir a resume loads: --ckpt-step's, else the tracker's."""
+        return self.iteration if self.iteration is not None else read_tracker(self.megatron_dir)
 
 
 def _is_iteration_folder(path: Path) -> bool:
@@ -64,10 +70,23 @@ def _pretrained(source: str) -> Start:
     return Start("finetune", hf_source=source)  # an HF folder or a Hub id (checked when it is opened)
 
 
+def _iteration_folders(load: Path) -> list[str]:
+    return sorted(p.name for p in load.iterdir() if p.is_dir() and _is_iteration_folder(p)) if load.is_dir() else []
+
+
+def _chosen_iteration(load: Path, step: int) -> int:
+    """--ckpt-step N, as Megatron-LM: iter_N of --load instead of the tracker's iteration."""
+    if not (load / iter_dir_name(step)).is_dir():
+        found = [name for name in _iteration_folders(load) if name != "release"]
+        raise CheckpointError(f"--ckpt-step {step}: {load} has no {iter_dir_name(step)}; its iterations: "
+                              f"{', '.join(found) or 'none'}")
+    return step
+
+
 def _refuse_untracked_iterations(load: Path, run: RunConfig) -> None:
     """iter_* folders without the tracker: Megatron-LM warns "could not find the metadata file" and
     starts from random -- over them, when --save is the same folder.  Refused here, naming the fix."""
-    found = sorted(p.name for p in load.iterdir() if p.is_dir() and _is_iteration_folder(p)) if load.is_dir() else []
+    found = _iteration_folders(load)
     if not found:
         return
     shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
@@ -86,6 +105,9 @@ def plan_start(run: RunConfig) -> Start:
             raise CheckpointError(f"--load {load}: an iteration folder; give the checkpoint folder that holds "
                                   f"{TRACKER} ({load.parent})")
         if (load / TRACKER).is_file():
+            if run.ckpt_step is not None:
+                return Start("finetune" if run.finetune else "resume", megatron_dir=load,
+                             iteration=_chosen_iteration(load, run.ckpt_step))
             return Start(_megatron_kind(load, run.finetune), megatron_dir=load)
         if not run.finetune:
             _refuse_untracked_iterations(load, run)
@@ -96,6 +118,9 @@ def plan_start(run: RunConfig) -> Start:
             what = "no such folder" if not load.exists() else f"not a Megatron checkpoint folder (no {TRACKER})"
             raise CheckpointError(f"--load {load}: {what}; a --load without a checkpoint is accepted only when it "
                                   "is this run's --save folder (a new run)")
+    if run.ckpt_step is not None:
+        raise ConfigError(f"--ckpt-step {run.ckpt_step}: expected --load DIR with a checkpoint to take that iteration "
+                          "from")
     if run.pretrained_checkpoint:
         return _pretrained(run.pretrained_checkpoint)
     if run.finetune:
@@ -142,8 +167,8 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
         if start.megatron_dir is not None:  # Megatron-LM's check_checkpoint_args, for every model flag
             from ..checkpoint.load import open_megatron
             from .model_flags import check_flags_match_checkpoint
-            check_flags_match_checkpoint(config, open_megatron(start.megatron_dir).config, start.megatron_dir,
-                                         resume=start.kind == "resume")
+            check_flags_match_checkpoint(config, open_megatron(start.megatron_dir, start.iteration).config,
+                                         start.megatron_dir, resume=start.kind == "resume")
     elif run.hf_model:
         config = config_of_hf(run.hf_model)
         if not start.weights_from_megatron:
@@ -153,5 +178,5 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
                           "or --hf-config for a new run")
     else:  # structure from the Megatron checkpoint's saved args
         from ..checkpoint.load import open_megatron
-        config = open_megatron(start.megatron_dir).config
+        config = open_megatron(start.megatron_dir, start.iteration).config
     return config, config
