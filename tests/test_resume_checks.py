@@ -68,3 +68,18 @@ def test_ckpt_step_resumes_that_iteration_and_names_the_ones_there(workspace, ch
     line = error_line(_resume(workspace, checkpoint, "--ckpt-step", 5, save=tmp_path / "from5"))
     assert f"--ckpt-step 5: {checkpoint} has no iter_0000005; its iterations: iter_0000001, iter_0000002" in line
     assert not (tmp_path / "from5").exists()
+
+
+def test_a_megatron_lm_checkpoint_knowing_only_its_padded_vocabulary_takes_the_tokenizers():
+    """Megatron-LM's args hold padded_vocab_size (check_checkpoint_args compares that), not the tokenizer's."""
+    from transformers import GPT2Config
+
+    from hf_megatron.config import ModelConfig
+    from hf_megatron.training.model_flags import check_flags_match_checkpoint
+
+    def config(vocab):
+        return ModelConfig.from_hf(GPT2Config(vocab_size=vocab, n_layer=2, n_embd=64, n_head=4, bos_token_id=0,
+                                              eos_token_id=0))
+    check_flags_match_checkpoint(config(VOCAB), config(384), "ck", resume=True)  # 300 pads to 384
+    with pytest.raises(Exception, match=r"vocab_size is 300, the model flags make it 301 \(--vocab-size\)"):
+        check_flags_match_checkpoint(config(301), config(VOCAB), "ck", resume=True)  # ours knows it exactly

@@ -140,6 +140,14 @@ ROPE_ONLY = ("rotary_percent", "rotary_base", "use_rope_scaling", "rope_scaling_
 FINETUNE_MAY_CHANGE = ("max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
 
+def _same_padded_vocab(flags_config, checkpoint_config) -> bool:
+    """A Megatron-LM checkpoint knows only its padded vocabulary (args.padded_vocab_size, as
+    check_checkpoint_args compares): the flags' vocabulary padded alike must give it."""
+    padded = checkpoint_config.padded_vocab_size()
+    divisor = max(1, checkpoint_config.make_vocab_size_divisible_by)
+    return checkpoint_config.vocab_size == padded and -(-flags_config.vocab_size // divisor) * divisor == padded
+
+
 def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume: bool) -> None:
     """One-line ConfigError at the first model-defining value the model flags give otherwise than the
     checkpoint whose weights the run loads (a same-shaped contradiction, as 8 heads for 4 -- qkv keeps
@@ -151,7 +159,7 @@ def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume
         if (name in ROPE_ONLY and not rope) or (not resume and name in FINETUNE_MAY_CHANGE):
             continue
         given, saved = FIELDS[name](flags_config, layout), FIELDS[name](checkpoint_config, layout)
-        if given != saved:
+        if given != saved and not (name == "vocab_size" and _same_padded_vocab(flags_config, checkpoint_config)):
             raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, the model flags make it {given} "
                               f"({flag}); the checkpoint defines the model: drop the model flags or give its values")
 
