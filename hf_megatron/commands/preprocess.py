@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
     group.add_argument("--input", nargs="+", default=[],
-                       help="JSON lines (.json/.jsonl), text (.txt, one document per line), .parquet, "
+                       help="JSON lines (.json/.jsonl), text (.txt, one document per line), either gzipped (.jsonl.gz), .parquet, "
                             "a datasets dir saved with save_to_disk, or hf://NAME (as --hf-dataset); globs allowed")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenise (default: text)")
     group.add_argument("--split", default=None, help="split of a saved DatasetDict (default: train)")

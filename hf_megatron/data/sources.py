@@ -3,14 +3,19 @@
 A chunk is ``(kind, path, start, stop)``: a byte range of a JSON-lines or text file (a line
 belongs to the chunk holding its first byte), a row-group range of a parquet file, or (hub.py)
 a row range of a ``datasets`` dataset (saved with ``save_to_disk`` or loaded by ``load_dataset``)
-or a shard of a streamed one.  Reading the chunks in order gives the documents in file order, so
+or a shard of a streamed one.  A gzip-compressed JSON-lines or text file (``.jsonl.gz``, as
+Megatron-LM's preprocess_data reads with gzip.open) cannot be cut at byte offsets: it is one chunk,
+its positions are offsets in the uncompressed stream.  Reading the chunks in order gives the documents in file order, so
 the output does not depend on the number of workers.
 """
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import os
+import sys
+import zlib
 from typing import Iterator
 
 from ..errors import DataError, DataNotFoundError
@@ -20,21 +25,27 @@ JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 TEXT_SUFFIXES = (".txt", ".text")
 
 
+def _is_gzip(path) -> bool:
+    return isinstance(path, str) and path.lower().endswith(".gz")
+
+
 def _kind_of(path: str) -> str:
     if os.path.isdir(path):
         if is_saved_to_disk(path):
             return "hf_disk"
         raise DataError(f"{path}: directory is not a datasets dataset saved with save_to_disk "
                          "(no dataset_info.json / dataset_dict.json)")
-    lower = path.lower()
+    lower = path.lower()[:-len(".gz")] if _is_gzip(path) else path.lower()
+    if _is_gzip(path) and not lower.endswith(JSON_SUFFIXES + TEXT_SUFFIXES):
+        raise DataError(f"{path}: unknown gzip input (expected .json.gz/.jsonl.gz lines or .txt.gz)")
     if lower.endswith(".parquet"):
         return "parquet"
     if lower.endswith(TEXT_SUFFIXES):
         return "text"
     if lower.endswith(JSON_SUFFIXES):
         return "json"
-    raise DataError(f"{path}: unknown input format (expected .json/.jsonl lines, .txt, .parquet, "
-                     "or a saved datasets directory)")
+    raise DataError(f"{path}: unknown input format (expected .json/.jsonl lines, .txt, either .gz, "
+                     ".parquet, or a saved datasets directory)")
 
 
 def resolve_sources(inputs: list[str], hf_dataset: str | None = None, hf_subset: str | None = None,
@@ -73,7 +84,9 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
             chunks += plan_hub_chunks(path, min_chunks_per_file)
             continue
         kind = _kind_of(path)
-        if kind in ("json", "text"):
+        if kind in ("json", "text") and _is_gzip(path):
+            chunks.append((kind, path, 0, sys.maxsize))  # no random access into a gzip stream
+        elif kind in ("json", "text"):
             size = os.path.getsize(path)
             count = max(min_chunks_per_file, -(-size // target_chunk_bytes), 1)
             bounds = [size * i // count for i in range(count + 1)]
@@ -94,6 +107,16 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
 
 
 def _lines(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
+    if _is_gzip(path):
+        try:
+            with gzip.open(path, "rb") as stream:
+                position = 0
+                for line in stream:
+                    yield position, line
+                    position += len(line)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise DataError(f"{path}: cannot read gzip input ({exc})") from None
+        return
     with open(path, "rb") as stream:
         if start > 0:
             stream.seek(start - 1)

@@ -1,0 +1,35 @@
+"""Inputs Megatron-LM's tools/preprocess_data.py reads that hf-megatron preprocess refused or ignored:
+gzip-compressed JSON lines, a list of strings under a --json-keys key, --log-interval N."""
+import gzip
+import json
+
+from hf_megatron import cli
+from test_preprocess_cli import _read_documents, corpus  # noqa: F401  (the module fixture)
+
+
+def _argv(root, source, prefix, *extra):
+    return ["preprocess", "--input", str(source), "--output-prefix", str(prefix), "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok"), "--append-eod", *extra]
+
+
+def test_gzip_jsonl_gives_the_same_output_as_the_plain_file(corpus, tmp_path):  # noqa: F811
+    root, _ = corpus
+    plain = (root / "corpus.jsonl").read_bytes()
+    for name in ("c.jsonl.gz", "c.json.gz"):
+        (tmp_path / name).write_bytes(gzip.compress(plain))
+    assert cli.main(_argv(root, root / "corpus.jsonl", tmp_path / "a", "--no-progress")) == 0
+    assert cli.main(_argv(root, tmp_path / "c.jsonl.gz", tmp_path / "b", "--no-progress", "--workers", "2")) == 0
+    assert cli.main(_argv(root, tmp_path / "c.json.gz", tmp_path / "c", "--no-progress")) == 0
+    for suffix in (".bin", ".idx"):
+        expected = (tmp_path / f"a_text_document{suffix}").read_bytes()
+        assert (tmp_path / f"b_text_document{suffix}").read_bytes() == expected
+        assert (tmp_path / f"c_text_document{suffix}").read_bytes() == expected
+
+
+def test_corrupt_gzip_is_one_line(corpus, tmp_path, capsys):  # noqa: F811
+    root, _ = corpus
+    (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all\n")
+    assert cli.main(_argv(root, tmp_path / "bad.jsonl.gz", tmp_path / "o", "--no-progress")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.jsonl.gz: cannot read gzip input" in err[0], err
+    assert not list(tmp_path.glob("o*"))
