@@ -119,3 +119,23 @@ def test_bf16_weights_are_the_fp32_main_weights(tmp_path, monkeypatch, tp, distr
     main = run_distributed(_bf16_weights, world_size=2, args=(tp, distributed))[-1]
     assert main == {"dtypes": {"torch.float32"}, "config_dtype": "float32", "rounds_to_model": True,
                     "finer_than_bf16": True, "same": True}, main
+
+
+def _rng_after_prepare(rank, world):
+    from accelerate.utils import set_seed
+
+    from hf_megatron import Accelerator
+    from tiny import tiny_hf_model
+    _env(world, 1, num_micro=1)
+    _reset_accelerate()
+    accelerator = Accelerator()
+    set_seed(0)
+    model = tiny_hf_model("llama")
+    before = torch.get_rng_state()
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return torch.equal(before, torch.get_rng_state())
+
+
+def test_prepare_model_leaves_the_user_rng_as_plain_accelerate():
+    """Plain accelerate's prepare(model, optimizer) draws nothing: set_seed, prepare, torch.rand as without it."""
+    assert run_distributed(_rng_after_prepare, world_size=2) == [True, True]
