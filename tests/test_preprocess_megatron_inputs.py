@@ -33,3 +33,33 @@ def test_corrupt_gzip_is_one_line(corpus, tmp_path, capsys):  # noqa: F811
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "bad.jsonl.gz: cannot read gzip input" in err[0], err
     assert not list(tmp_path.glob("o*"))
+
+
+def test_a_list_of_strings_is_one_document_of_sentences_as_megatron_lm_encodes_it(corpus, tmp_path):  # noqa: F811
+    """Megatron-LM's Encoder.encode: each element tokenised alone, empty ones dropped, concatenated;
+    one sequence per element, the eod on the last one."""
+    from data_oracle import IndexedDataset as McoreIndexed
+    from transformers import AutoTokenizer
+
+    root, _ = corpus
+    values = [["alpha beta", "", "gamma delta"], "eta theta", [], ["iota"], [""]]
+    (tmp_path / "l.jsonl").write_text("".join(json.dumps({"text": v}) + "\n" for v in values))
+    assert cli.main(_argv(root, tmp_path / "l.jsonl", tmp_path / "o", "--no-progress")) == 0
+    tokenizer = AutoTokenizer.from_pretrained(root / "tok")
+    eod, encode = tokenizer.eos_token_id, lambda text: tokenizer(text).input_ids  # noqa: E731
+    sentences = [[encode(t) for t in (v if isinstance(v, list) else [v]) if encode(t)] for v in values]
+    for parts in sentences:
+        if parts:
+            parts[-1] = parts[-1] + [eod]
+    reader = McoreIndexed(str(tmp_path / "o_text_document"))
+    assert reader.document_indices.tolist() == [0, 2, 3, 3, 4, 4]
+    assert [reader[i].tolist() for i in range(len(reader))] == [s for parts in sentences for s in parts]
+    assert _read_documents(str(tmp_path / "o_text_document"))[0] == [sum(p, []) for p in sentences]
+
+
+def test_a_list_of_non_strings_is_one_line(corpus, tmp_path, capsys):  # noqa: F811
+    root, _ = corpus
+    (tmp_path / "n.jsonl").write_text('{"text": ["a", 5]}\n')
+    assert cli.main(_argv(root, tmp_path / "n.jsonl", tmp_path / "o", "--no-progress")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "expected a string or a list of strings" in err[0], err

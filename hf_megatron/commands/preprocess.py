@@ -89,7 +89,8 @@ def _train_tokenizer(args) -> None:
     _check_tokenizer_target(args)
     sources = resolve_sources(args.input, args.hf_dataset, args.hf_subset, args.hf_split or "train", args.streaming)
     chunks = plan_chunks(expand_inputs(sources), 1, 1 << 62, args.split)
-    texts = (str(doc[k]) for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
+    values = (doc[k] for chunk in chunks for doc, _ in read_chunk(chunk, args.json_keys) for k in args.json_keys)
+    texts = (str(text) for value in values for text in (value if isinstance(value, list) else [value]))
     if args.train_tokenizer == "bpe":
         if args.tokenizer_type != "HuggingFaceTokenizer":
             raise ConfigError("--train-tokenizer bpe saves a transformers tokenizer: use --tokenizer-type HuggingFaceTokenizer")

@@ -7,7 +7,8 @@ crash leaves only a temporary folder behind (final files are renamed into place 
 
 One document per record: the record's text for each key is tokenised (special tokens as the
 tokenizer adds them); with ``append_eod`` the end-of-document id is appended to non-empty
-documents.  A document is one sequence (Megatron-LM's document level, no sentence splitting).
+documents.  A document is one sequence (Megatron-LM's document level, no sentence splitting),
+except a JSON list of strings, whose elements are its sequences (Megatron-LM's Encoder.encode).
 
 With ``sft`` the keys are PROMPT RESPONSE (or one chat MESSAGES field) and the output is one
 token dataset ``{output_prefix}_sft_document`` plus its loss mask ``..._sft_document_loss_mask``
@@ -111,10 +112,8 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
             batch.clear()
             return
         for key in keys:
-            for ids in tokenizer.tokenize_batch([str(doc[key]) for doc in batch]):
-                if ids and options.append_eod:
-                    ids = list(ids) + [tokenizer.eod]
-                add(writers[key], ids)
+            for ids, lengths in _encode_documents(tokenizer, [doc[key] for doc in batch], options.append_eod):
+                writers[key].add_document(ids, lengths)
                 ntokens += len(ids)
         batch.clear()
 
@@ -133,6 +132,25 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
     for writer in writers.values():
         writer.finalize()
     return index, docs, nbytes, ntokens
+
+
+def _encode_documents(tokenizer, values: list, append_eod: bool) -> list[tuple[list[int], list[int]]]:
+    """(ids, sequence lengths) of each document, as Megatron-LM's Encoder.encode makes them: a
+    string is one sentence, a list of strings one sentence per element, each tokenised alone
+    (special tokens per element); empty sentences are dropped, the rest concatenated, one
+    sequence each; the eod id joins the last sequence of a non-empty document."""
+    sentences = [value if isinstance(value, list) else [value] for value in values]
+    flat = iter(tokenizer.tokenize_batch([str(text) for parts in sentences for text in parts]))
+    documents = []
+    for parts in sentences:
+        pieces = [list(ids) for ids in (next(flat) for _ in parts) if len(ids)]
+        ids = [token for piece in pieces for token in piece]
+        lengths = [len(piece) for piece in pieces]
+        if ids and append_eod:
+            ids.append(tokenizer.eod)
+            lengths[-1] += 1
+        documents.append((ids, lengths))
+    return documents
 
 
 def _progress(options: PreprocessOptions, total_docs: int | None):

@@ -143,8 +143,11 @@ def _pick(record: dict, keys: list[str], where: str, chat: bool = False) -> dict
     for key, value in picked.items():  # null, numbers, lists would be tokenised as their repr ("None")
         if chat and isinstance(value, list):
             continue  # SFT chat messages: sft_records checks their structure
+        if isinstance(value, list) and all(isinstance(part, str) for part in value):
+            continue  # sentences of one document, as Megatron-LM's Encoder.encode takes them
         if not isinstance(value, str):
-            raise DataError(f"{where}: field {key!r} is {json.dumps(value)[:40]}, expected a string")
+            raise DataError(f"{where}: field {key!r} is {json.dumps(value)[:40]}, expected a string "
+                            "or a list of strings")
     return picked
 
 
