@@ -63,3 +63,27 @@ def test_a_list_of_non_strings_is_one_line(corpus, tmp_path, capsys):  # noqa: F
     assert cli.main(_argv(root, tmp_path / "n.jsonl", tmp_path / "o", "--no-progress")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "expected a string or a list of strings" in err[0], err
+
+
+def test_log_interval_prints_megatron_lm_progress_lines_every_n_documents(corpus, tmp_path, capsys):  # noqa: F811
+    """Megatron-LM's print_processing_stats: 'Processed N documents (x docs/s, y MB/s).' on stderr at
+    each multiple of N, in place of the bar (also with --no-progress); the output is unchanged."""
+    import re
+
+    root, docs = corpus  # 300 documents
+    assert cli.main(_argv(root, root / "corpus.jsonl", tmp_path / "a", "--no-progress")) == 0
+    assert "Processed" not in capsys.readouterr().err
+    line = re.compile(r"^Processed (\d+) documents \(\d+\.\d\d docs/s, \d+\.\d\d MB/s\)\.$")
+    for name, extra in (("b", ["--log-interval", "100"]), ("c", ["--log-interval", "70", "--workers", "2",
+                                                                  "--partitions", "3", "--no-progress"])):
+        assert cli.main(_argv(root, root / "corpus.jsonl", tmp_path / name, *extra)) == 0
+        err = capsys.readouterr().err.splitlines()
+        counts = [int(m.group(1)) for m in map(line.match, err) if m]
+        step = int(extra[1])
+        assert counts == list(range(step, len(docs) + 1, step)), err
+        assert len(err) == len(counts) + 1 and "docs/s" in err[-1], err  # no bar, then the summary
+        for suffix in (".bin", ".idx"):
+            assert ((tmp_path / f"{name}_text_document{suffix}").read_bytes()
+                    == (tmp_path / f"a_text_document{suffix}").read_bytes())
+    assert cli.main(_argv(root, root / "corpus.jsonl", tmp_path / "d", "--log-interval", "0")) == 2
+    assert capsys.readouterr().err.strip().endswith("--log-interval 0: expected a number of documents >= 1")

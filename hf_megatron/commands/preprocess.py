@@ -55,8 +55,11 @@ def add_parser(subparsers) -> None:
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenising processes")
     group.add_argument("--partitions", type=int, default=1, help="minimum chunks per input file")
-    group.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron-LM compatibility")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar")
+    group.add_argument("--log-interval", type=int, default=None, metavar="N",
+                       help="print Megatron-LM's 'Processed N documents (x docs/s, y MB/s).' line on stderr every N "
+                            "documents, instead of the progress bar")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (--log-interval lines are still printed)")
     parser.set_defaults(func=run)
 
 
@@ -112,7 +115,7 @@ def run(args) -> int:
         tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         append_eod=args.append_eod, workers=args.workers, partitions=args.partitions,
-        split=args.split, progress=not args.no_progress, sft=args.sft, hf_dataset=args.hf_dataset,
+        split=args.split, progress=not args.no_progress, log_interval=args.log_interval, sft=args.sft, hf_dataset=args.hf_dataset,
         hf_subset=args.hf_subset, hf_split=args.hf_split, streaming=args.streaming)
     check_options(options)  # before a tokenizer is trained
     if args.train_tokenizer:

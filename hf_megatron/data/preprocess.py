@@ -21,6 +21,7 @@ import glob
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class PreprocessOptions:
     partitions: int = 1
     split: str | None = None
     progress: bool = True
+    log_interval: int | None = None  # Megatron-LM's "Processed N documents" line every N documents, not the bar
     sft: bool = False
     hf_dataset: str | None = None   # datasets.load_dataset inputs (hub.py), after `inputs`
     hf_subset: str | None = None
@@ -80,9 +82,17 @@ def _tokenizer_of(options: PreprocessOptions):
                            options.merge_file, options.vocab_size)
 
 
-def _init_worker(options: PreprocessOptions) -> None:
+def _init_worker(options: PreprocessOptions, counters=None) -> None:
+    """``counters``: shared (documents, bytes) Values a worker process adds to as it goes, for
+    --log-interval; in the main process ``_worker_state["report"]`` is set directly."""
     _worker_state["tokenizer"] = _tokenizer_of(options)
     _worker_state["options"] = options
+    if counters is not None:
+        def report(docs: int, nbytes: int) -> None:
+            with counters[0].get_lock():
+                counters[0].value += docs
+                counters[1].value += nbytes
+        _worker_state["report"] = report
 
 
 def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]:
@@ -93,6 +103,9 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
     writers = {name: IndexedDatasetWriter(f"{part_prefix}_{name}", np.dtype(dtype))
                for name, _, dtype in _channels(options, dtype_name)}
     docs = nbytes = ntokens = 0
+    reported = [0, 0]  # documents, bytes already reported for --log-interval
+    report = _worker_state.get("report")
+    batch_docs = min(BATCH_DOCS, options.log_interval) if options.log_interval else BATCH_DOCS
     batch: list[dict] = []
 
     def add(writer, ids) -> None:
@@ -109,20 +122,22 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
                 add(writers[SFT_NAME], ids)
                 add(writers[SFT_MASK], mask)
                 ntokens += len(ids)
-            batch.clear()
-            return
-        for key in keys:
-            for ids, lengths in _encode_documents(tokenizer, [doc[key] for doc in batch], options.append_eod):
-                writers[key].add_document(ids, lengths)
-                ntokens += len(ids)
+        else:
+            for key in keys:
+                for ids, lengths in _encode_documents(tokenizer, [doc[key] for doc in batch], options.append_eod):
+                    writers[key].add_document(ids, lengths)
+                    ntokens += len(ids)
         batch.clear()
+        if report is not None:
+            report(docs - reported[0], nbytes - reported[1])
+            reported[:] = docs, nbytes
 
     try:
         for doc, size in read_chunk(chunk, keys, chat=options.sft):
             batch.append(doc)
             docs += 1
             nbytes += size
-            if len(batch) == BATCH_DOCS:
+            if len(batch) == batch_docs:
                 flush()
         flush()
     except BaseException:
@@ -153,8 +168,45 @@ def _encode_documents(tokenizer, values: list, append_eod: bool) -> list[tuple[l
     return documents
 
 
+class IntervalLog:
+    """Megatron-LM's print_processing_stats: ``Processed N documents (x docs/s, y MB/s).`` on stderr
+    each time the document count reaches a multiple of ``interval`` (MB as Megatron-LM counts it,
+    2**20 bytes of input lines)."""
+
+    def __init__(self, interval: int, start: float):
+        self.interval, self.start = interval, start
+        self.documents = self.bytes = 0
+
+    def add(self, documents: int, nbytes: int) -> None:
+        self.set(self.documents + documents, self.bytes + nbytes)
+
+    def set(self, documents: int, nbytes: int) -> None:
+        crossed = range((self.documents // self.interval + 1) * self.interval, documents + 1, self.interval)
+        self.documents, self.bytes = documents, nbytes
+        if len(crossed):
+            elapsed = max(time.perf_counter() - self.start, 1e-9)
+            for count in crossed:
+                print(f"Processed {count} documents ({count / elapsed:.2f} docs/s, "
+                      f"{nbytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+
+
+def _polled(results, poll):
+    """The pool's results, calling ``poll`` between them and every 0.2 s while waiting."""
+    while True:
+        try:
+            item = results.next(timeout=0.2)
+        except StopIteration:
+            poll()
+            return
+        except multiprocessing.TimeoutError:
+            poll()
+            continue
+        poll()
+        yield item
+
+
 def _progress(options: PreprocessOptions, total_docs: int | None):
-    if not options.progress:
+    if not options.progress or options.log_interval:
         return None
     from tqdm import tqdm
 
@@ -189,6 +241,8 @@ def check_options(options: PreprocessOptions) -> None:
                           f"{', '.join(map(repr, repeated))} more than once")
     if options.workers < 1 or options.partitions < 1:
         raise ConfigError("--workers and --partitions must be >= 1")
+    if options.log_interval is not None and options.log_interval < 1:
+        raise ConfigError(f"--log-interval {options.log_interval}: expected a number of documents >= 1")
     _check_split_flags(options)
     check_output_folder("--output-prefix", options.output_prefix,
                         os.path.dirname(os.path.abspath(options.output_prefix)))
@@ -217,17 +271,23 @@ def preprocess(options: PreprocessOptions) -> dict:
     known = all(chunk[0] == "hub" for chunk in chunks)  # row ranges: the document count is known
     bar = _progress(options, sum(chunk[3] - chunk[2] for chunk in chunks) if known else None)
     start = time.perf_counter()
+    log = IntervalLog(options.log_interval, start) if options.log_interval else None
     pool, parallelism = None, os.environ.get("TOKENIZERS_PARALLELISM")
     try:
         if options.workers == 1:
             _init_worker(options)
+            if log is not None:
+                _worker_state["report"] = log.add
             results = map(_encode_chunk, jobs)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # forked workers must not share Rust threads
             methods = multiprocessing.get_all_start_methods()
             context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-            pool = context.Pool(options.workers, initializer=_init_worker, initargs=(options,))
+            counters = (context.Value("q", 0), context.Value("q", 0)) if log is not None else None
+            pool = context.Pool(options.workers, initializer=_init_worker, initargs=(options, counters))
             results = pool.imap_unordered(_encode_chunk, jobs)
+            if log is not None:
+                results = _polled(results, lambda: log.set(counters[0].value, counters[1].value))
         for _, docs, nbytes, ntokens in results:
             totals["documents"] += docs
             totals["bytes"] += nbytes
@@ -257,6 +317,7 @@ def preprocess(options: PreprocessOptions) -> dict:
                 os.environ["TOKENIZERS_PARALLELISM"] = parallelism
         if bar is not None:
             bar.close()
+        _worker_state.pop("report", None)
         shutil.rmtree(parts_dir, ignore_errors=True)
     elapsed = time.perf_counter() - start
     totals.update(outputs=outputs, seconds=elapsed, docs_per_s=totals["documents"] / max(elapsed, 1e-9),
