@@ -139,3 +139,18 @@ def _rng_after_prepare(rank, world):
 def test_prepare_model_leaves_the_user_rng_as_plain_accelerate():
     """Plain accelerate's prepare(model, optimizer) draws nothing: set_seed, prepare, torch.rand as without it."""
     assert run_distributed(_rng_after_prepare, world_size=2) == [True, True]
+
+
+def _eval_without_labels(rank, world):
+    accelerator, (model, _, loader) = _prepared(world)
+    model.eval()
+    batch = next(iter(loader))
+    unlabelled = model(input_ids=batch["input_ids"])
+    labelled = model(**batch)
+    return {"loss": unlabelled.loss, "logits": None if unlabelled.logits is None else tuple(unlabelled.logits.shape),
+            "labelled_loss": labelled.loss is not None}
+
+
+def test_eval_without_labels_gives_no_loss_as_transformers():
+    for r in run_distributed(_eval_without_labels, world_size=2):
+        assert r["loss"] is None and r["labelled_loss"] and r["logits"][:2] == (2, 16), r

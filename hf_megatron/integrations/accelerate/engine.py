@@ -13,7 +13,9 @@ losses (accelerate's meaning of accumulation).
 
 Eval mode: forward only.  `loss` is the mean per-token loss of the batch over the data-parallel
 group (every rank gets it, in every pipeline stage); with `return_logits` the output also has
-`logits` [b, s, vocab] of this rank's batch (logits.py).  Outputs are transformers'
+`logits` [b, s, vocab] of this rank's batch (logits.py).  A batch without labels gives
+transformers' loss=None and the logits.  (Train mode without labels trains on input_ids, as
+accelerate's Megatron-LM GPT train step does.)  Outputs are transformers'
 `CausalLMOutputWithCrossAttentions`, as accelerate's engine returns for GPT models; in train mode
 `logits` is None (they are not kept through the pipeline schedule).
 """
@@ -135,7 +137,9 @@ class MegatronEngine(nn.Module):
     @torch.no_grad()
     def _evaluate(self, batch: dict):
         plugin = self.accelerator.state.megatron_lm_plugin
-        if getattr(plugin, "return_logits", False):
+        # no labels: transformers' loss=None with the logits (the loss of the tokens themselves is not asked for)
+        unlabelled = batch.get("labels") is None
+        if unlabelled or getattr(plugin, "return_logits", False):
             (whole,) = self._split(batch, whole=True)
             for chunk in self.chunks:
                 chunk.eval()
@@ -144,7 +148,7 @@ class MegatronEngine(nn.Module):
             group = state.get_state().group("dp")
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(totals, group=group)
-            loss = (totals[0] / totals[1].clamp(min=1)).float()
+            loss = None if unlabelled else (totals[0] / totals[1].clamp(min=1)).float()
             return _output(loss, logits[:, :batch["input_ids"].shape[1]])  # without sequence padding
         micro = self._split(batch)
         loss = trainer.evaluate(list(self.chunks), micro)
