@@ -154,3 +154,21 @@ def _eval_without_labels(rank, world):
 def test_eval_without_labels_gives_no_loss_as_transformers():
     for r in run_distributed(_eval_without_labels, world_size=2):
         assert r["loss"] is None and r["labelled_loss"] and r["logits"][:2] == (2, 16), r
+
+
+def test_bad_plugin_numbers_are_one_line_errors(monkeypatch):
+    """megatron_lm_num_micro_batches: 0 (accelerate would train as 1 and report global_batch_size 0) and
+    megatron_lm_tp_degree: two (accelerate's int() traceback) name the accelerate config field."""
+    from accelerate.utils import MegatronLMPlugin
+
+    import hf_megatron.integrations.accelerate  # noqa: F401 -- guards MegatronLMPlugin
+    from hf_megatron.errors import ConfigError
+    from hf_megatron.integrations.accelerate.plugin import training_config_from_plugin
+    for value in ("0", "-2"):
+        monkeypatch.setenv("MEGATRON_LM_NUM_MICRO_BATCHES", value)
+        with pytest.raises(ConfigError, match=f"megatron_lm_num_micro_batches={value}: expected a positive"):
+            training_config_from_plugin(MegatronLMPlugin(), "no")
+    monkeypatch.setenv("MEGATRON_LM_NUM_MICRO_BATCHES", "1")
+    monkeypatch.setenv("MEGATRON_LM_TP_DEGREE", "two")
+    with pytest.raises(ConfigError, match="megatron_lm_tp_degree='two': expected an integer"):
+        MegatronLMPlugin()

@@ -22,8 +22,10 @@ user_errors.py (one-line errors in the accelerate config's names).
 from .accelerator import Accelerator
 from .engine import MegatronEngine
 from .plugin import megatron_requested, training_config_from_plugin
-from .user_errors import refuse_dummy_data_loader
+from .user_errors import check_plugin_numbers, install_excepthook, refuse_dummy_data_loader
 
 refuse_dummy_data_loader()  # accelerate's needs NVIDIA's Megatron-LM even to be built: one line instead
+check_plugin_numbers()      # a non-number in the accelerate config: one line, not a traceback per rank
+install_excepthook()        # (also before the Accelerator: a script builds MegatronLMPlugin() first)
 
 __all__ = ["Accelerator", "MegatronEngine", "megatron_requested", "training_config_from_plugin"]

@@ -55,6 +55,9 @@ def check_plugin(plugin) -> None:
 def training_config_from_plugin(plugin, mixed_precision: str) -> trainer.TrainingConfig:
     """accelerate's MegatronLMPlugin (+ mixed precision) -> our TrainingConfig (Megatron names)."""
     check_plugin(plugin)
+    if plugin.num_micro_batches is not None and int(plugin.num_micro_batches) < 1:
+        raise ConfigError(f"accelerate config: megatron_lm_num_micro_batches={plugin.num_micro_batches}: expected a "
+                          f"positive number of micro batches per step")
     other = dict(plugin.other_megatron_args or {})
     recompute = other.pop("recompute_granularity", None)
     if recompute is None and plugin.recompute_activations:

@@ -7,6 +7,9 @@
 * `install_excepthook`: a project error (`HFMegatronError`: a bad input) that leaves the script
   is printed as one line `<script>: error: <message>` on each rank that raised it, as the CLI
   does; any other exception (our bug, or the script's) keeps its traceback.
+* `check_plugin_numbers`: accelerate's MegatronLMPlugin reads the config file's numbers from
+  MEGATRON_LM_* variables in `__post_init__` (`int("two")`: a traceback per rank); checked first,
+  one line naming the field.
 * `refuse_dummy_data_loader`: accelerate's `MegatronLMDummyDataLoader` needs NVIDIA's
   Megatron-LM to even be built (without it its constructor fails on a NameError); it becomes a
   one-line error saying what to use instead.
@@ -87,3 +90,28 @@ def refuse_dummy_data_loader() -> None:
 
     loader.__init__ = __init__
     loader._hf_megatron = True
+
+
+_PLUGIN_NUMBERS = {"tp_degree": int, "pp_degree": int, "num_micro_batches": int, "gradient_clipping": float}
+
+
+def check_plugin_numbers() -> None:
+    """MegatronLMPlugin.__post_init__ first checks the numbers `accelerate launch` passes it (module docstring)."""
+    from accelerate.utils import MegatronLMPlugin
+    if getattr(MegatronLMPlugin, "_hf_megatron", False):
+        return
+    post_init = MegatronLMPlugin.__post_init__
+
+    def __post_init__(self):
+        for field, kind in _PLUGIN_NUMBERS.items():
+            value = os.environ.get(f"MEGATRON_LM_{field.upper()}")
+            if getattr(self, field, None) is None and value is not None:
+                try:
+                    kind(value)
+                except ValueError:
+                    raise ConfigError(f"accelerate config: megatron_lm_{field}={value!r}: expected "
+                                      f"{'an integer' if kind is int else 'a number'}") from None
+        post_init(self)
+
+    MegatronLMPlugin.__post_init__ = __post_init__
+    MegatronLMPlugin._hf_megatron = True
