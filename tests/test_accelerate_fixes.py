@@ -172,3 +172,29 @@ def test_bad_plugin_numbers_are_one_line_errors(monkeypatch):
     monkeypatch.setenv("MEGATRON_LM_TP_DEGREE", "two")
     with pytest.raises(ConfigError, match="megatron_lm_tp_degree='two': expected an integer"):
         MegatronLMPlugin()
+
+
+def _split_batches(rank, world):
+    from accelerate.utils import DataLoaderConfiguration
+
+    from hf_megatron.errors import ConfigError
+    accelerator, (model, _, loader) = _prepared(1, batch_size=4, samples=8,
+                                                dataloader_config=DataLoaderConfiguration(split_batches=True))
+    sizes, seen = [len(batch["input_ids"]) for batch in loader], []
+    for batch in loader:
+        seen.append(accelerator.gather_for_metrics(batch["input_ids"]))
+    try:
+        accelerator._micro_batch_of(3)
+        error = None
+    except ConfigError as exc:
+        error = str(exc)
+    return {"len": len(loader), "sizes": sizes, "all": torch.equal(torch.cat(seen), torch.stack(
+        [s["input_ids"] for s in loader.dataset])), "error": error}
+
+
+def test_split_batches_splits_the_loader_batch_over_dp():
+    """Plain accelerate's split_batches at 2 processes: batch_size 4 is the batch across them (2 each),
+    len(dl) = 8 / 4; a batch_size dp does not divide is a one-line error."""
+    for r in run_distributed(_split_batches, world_size=2):
+        assert r["len"] == 2 and r["sizes"] == [2, 2] and r["all"], r
+        assert "batch_size=3 is split over the 2 data-parallel ranks" in r["error"], r

@@ -126,7 +126,7 @@ class Accelerator(accelerate.Accelerator):
                               "leave it out")
         loaders = [obj for obj in args if isinstance(obj, torch.utils.data.DataLoader)]
         if loaders and self._plugin.micro_batch_size is None:
-            sizes = [obj.batch_size for obj in loaders if obj.batch_size]
+            sizes = [self._micro_batch_of(obj.batch_size) for obj in loaders if obj.batch_size]
             if sizes:  # accelerate: is_train_batch_min picks the smallest (else the largest)
                 self._set_micro_batch_size(min(sizes) if self._plugin.is_train_batch_min else max(sizes))
         kinds = ((nn.Module, self.prepare_model), (torch.optim.Optimizer, self.prepare_optimizer),
@@ -138,6 +138,17 @@ class Accelerator(accelerate.Accelerator):
                 if isinstance(obj, kind):
                     result[i] = prepare(obj)
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _micro_batch_of(self, batch_size: int) -> int:
+        """A DataLoader's batch_size -> the micro batch size: itself, or with split_batches (plain accelerate:
+        the loader's batch is the batch across the processes) its share per data-parallel rank."""
+        dp = state.get_state().dp
+        if not self.split_batches:
+            return batch_size
+        if batch_size % dp:
+            raise ConfigError(f"DataLoaderConfiguration(split_batches=True): the DataLoader's batch_size={batch_size} "
+                              f"is split over the {dp} data-parallel ranks; use a multiple of {dp}")
+        return batch_size // dp
 
     def _set_micro_batch_size(self, micro_batch_size: int) -> None:
         plugin, grid = self._plugin, state.get_state()
@@ -243,7 +254,7 @@ class Accelerator(accelerate.Accelerator):
             if not data_loader.batch_size:
                 raise ConfigError("accelerator.prepare: a DataLoader without batch_size; give it "
                                   "batch_size=<micro batch size>")
-            self._set_micro_batch_size(data_loader.batch_size)
+            self._set_micro_batch_size(self._micro_batch_of(data_loader.batch_size))
         per_step = self._plugin.micro_batch_size * int(self._plugin.num_micro_batches or 1)
         prepared = prepare_loader(data_loader, per_step, self.device, self.rng_types, self.dataloader_config)
         self._dataloaders.append(prepared)
