@@ -123,26 +123,6 @@ def test_bf16_weights_are_the_fp32_main_weights(tmp_path, monkeypatch, tp, distr
                     "finer_than_bf16": True, "same": True}, main
 
 
-def _rng_after_prepare(rank, world):
-    from accelerate.utils import set_seed
-
-    from hf_megatron import Accelerator
-    from tiny import tiny_hf_model
-    _env(world, 1, num_micro=1)
-    _reset_accelerate()
-    accelerator = Accelerator()
-    set_seed(0)
-    model = tiny_hf_model("llama")
-    before = torch.get_rng_state()
-    accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    return torch.equal(before, torch.get_rng_state())
-
-
-def test_prepare_model_leaves_the_user_rng_as_plain_accelerate():
-    """Plain accelerate's prepare(model, optimizer) draws nothing: set_seed, prepare, torch.rand as without it."""
-    assert run_distributed(_rng_after_prepare, world_size=2) == [True, True]
-
-
 def _eval_without_labels(rank, world):
     accelerator, (model, _, loader) = _prepared(world)
     model.eval()

@@ -173,12 +173,8 @@ class Accelerator(accelerate.Accelerator):
                          cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1)
         # built under init_empty_weights: a fresh Megatron init now, weights from load_state later
         source = model_config if any(p.is_meta for p in model.parameters()) else model
-        # the build seeds and draws (Megatron's RNG tracker, a fresh init): the user's generators are left as plain
-        # accelerate's prepare leaves them (set_seed, prepare, then the script's draws and shuffles as without us)
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            chunks = trainer.build_model(source, cfg, device=self.device,
-                                         compile=cfg.compile_options(self.device, **(self._compile_kwargs or {})))
+        chunks = trainer.build_model(source, cfg, device=self.device,
+                                     compile=cfg.compile_options(self.device, **(self._compile_kwargs or {})))
         self._engine = MegatronEngine(chunks, cfg, model.config, self)
         self._hf_refs = hf_param_refs(model)
         self._models.append(self._engine)
