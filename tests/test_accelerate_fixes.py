@@ -2,8 +2,7 @@
 behaviour (in-process gloo workers, tiny models): a load_state_dict into the prepared bf16 model is
 what the next step updates; `unwrap_model(model).save_pretrained(dir, state_dict=get_state_dict(model))`
 on every rank leaves the main process's weights (the other ranks' {} writes nothing); a short last
-batch at dp 1 stays short; bf16 weights read back are the fp32 main weights; prepare(model) draws nothing
-from the user's generator; eval without labels gives loss=None; bad plugin numbers are one line;
+batch at dp 1 stays short; bf16 weights read back are the fp32 main weights; eval without labels gives loss=None; bad plugin numbers are one line;
 split_batches splits the loader's batch over dp."""
 from __future__ import annotations
 
