@@ -65,6 +65,10 @@ def test_ckpt_step_resumes_that_iteration_and_names_the_ones_there(workspace, ch
     assert code == 0, err[-2000:]
     assert f"resuming from {checkpoint} iteration 1" in out and "iteration      2/3" in out, out[-3000:]
     assert (tmp_path / "from1" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    # --train-iters 2, which the tracker's iteration reaches but iteration 1 does not: one step to train
+    code, out, err = _resume(workspace, checkpoint, "--ckpt-step", 1, "--lr-decay-iters", 4, iters=2,
+                             save=tmp_path / "to2")
+    assert code == 0 and "iteration      2/2" in out and "nothing to train" not in out, (out + err)[-3000:]
     line = error_line(_resume(workspace, checkpoint, "--ckpt-step", 5, save=tmp_path / "from5"))
     assert f"--ckpt-step 5: {checkpoint} has no iter_0000005; its iterations: iter_0000001, iter_0000002" in line
     assert not (tmp_path / "from5").exists()

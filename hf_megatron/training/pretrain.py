@@ -150,7 +150,7 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
 
 
 def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dict[str, Any]:
-    from ..checkpoint.files import TRACKER, read_tracker
+    from ..checkpoint.files import TRACKER
     from ..data.builder import build_datasets
     from .checkpoint import restore_rng, save_checkpoint
     from .deferred import DeferredSteps
@@ -158,7 +158,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
     from .restore import build_training_state
 
     grid = state.get_state()
-    if start.kind == "resume" and (saved := read_tracker(start.megatron_dir)) >= cfg.train_iters:
+    if start.kind == "resume" and (saved := start.iteration_to_load()) != "release" and saved >= cfg.train_iters:
         # said before the model is built, and nothing is written
         monitor.note(f" {start.megatron_dir} is at iteration {saved}, which already reaches --train-iters "
                      f"{cfg.train_iters}: nothing to train (raise --train-iters to continue)")
