@@ -51,6 +51,10 @@
 #                                             # (session 12: 206.0 vs 195.0 ms, no gap over 0.75 ms: many small
 #                                             # casts and amax kernels): per-region CUDA graphs (reduce-overhead),
 #                                             # beside STAGE=load-fix's default-mode numbers (~4 min; torchao wheel)
+#   STAGE=levers bash bench/issue14_gpu.sh  # session 20: float8's casts and amax are ~38 ms of the 1.2B's 206 ms step
+#                                             # (session 12): PyTorch's SwiGLU (inductor can fuse it with the casts)
+#                                             # instead of the csrc op, inductor's coordinate-descent tuning, max-autotune;
+#                                             # each beside ours-float8 / ours-compile in one call (~9 min; torchao wheel)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -224,5 +228,15 @@ fp8-ends-short)  # fp8-ends' speed and its 3e-4 curves with the perturbed-init f
 fp8-graphs)
   python3 bench/throughput.py --lr 3e-4 --models llama-1b --compile-mode reduce-overhead --out "$OUT/fp8_graphs.json" \
     --variants ours-float8 ours-float8+deferred ours-compile > "$OUT/fp8_graphs.txt" 2>&1; tail -4 "$OUT/fp8_graphs.txt"
+  ;;
+levers)
+  python3 bench/throughput.py --lr 3e-4 --models llama-1b --out "$OUT/levers_swiglu.json" --variants ours-float8 \
+    ours-float8+torch-swiglu ours-compile ours-compile+torch-swiglu > "$OUT/levers_swiglu.txt" 2>&1; tail -5 "$OUT/levers_swiglu.txt"
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 python3 bench/throughput.py --lr 3e-4 --models llama-1b \
+    --out "$OUT/levers_cdt.json" --variants ours-float8 ours-compile > "$OUT/levers_cdt.txt" 2>&1
+  echo "coordinate descent tuning:"; tail -3 "$OUT/levers_cdt.txt"
+  timeout 240 python3 bench/throughput.py --lr 3e-4 --models llama-1b --compile-mode max-autotune-no-cudagraphs \
+    --out "$OUT/levers_mat.json" --variants ours-float8 > "$OUT/levers_mat.txt" 2>&1
+  echo "max-autotune-no-cudagraphs (rc $?):"; tail -2 "$OUT/levers_mat.txt"
   ;;
 esac

@@ -50,7 +50,8 @@ Variants (one train step = forward, backward, clip 1.0, AdamW; targets = the ids
     ours-X+M+...  an ours-* variant with more options (MODIFIERS: +fused-ce +float8 +wgrad-fusion
                   +torch-adamw +decoder +deferred +bf16-moments (--exp-avg-dtype / --exp-avg-sq-dtype bf16),
                   +bf16-ends (with +float8: --first-last-layers-bf16, the first and last layer's linears in
-                  bf16), or +budget-B), e.g. ours-compile+deferred+decoder, ours-float8+bf16-ends
+                  bf16), +torch-swiglu (PyTorch's silu(gate) * up instead of the csrc op, so that inductor can
+                  fuse it with float8's amax and casts), or +budget-B), e.g. ours-compile+deferred+decoder, ours-float8+bf16-ends
 
 Timing: `--warmup` steps (the first one includes compilation, reported on its own), then
 `--steps` timed steps between torch.cuda.synchronize calls.  Model FLOPs per token
@@ -198,7 +199,7 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
               float8: bool = False, fused_loss: bool = False, wgrad_fusion: bool = False, full_buffer: bool = False,
               torch_adamw: bool = False, scope: str = "layer", deferred: bool = False,
               memory_budget: float | None = None, bf16_moments: bool = False, torch_ce: bool = False,
-              bf16_ends: bool = False):
+              bf16_ends: bool = False, torch_swiglu: bool = False):
     from hf_megatron.model.gpt import shift_labels
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
@@ -210,6 +211,9 @@ def ours_step(spec: Spec, device: str, compile: bool, compile_mode: str | None, 
     if torch_ce:  # the loss as PyTorch's cross entropy (compiled) instead of csrc/cross_entropy.cu; each
         from hf_megatron.kernels import cross_entropy  # variant runs in its own process
         cross_entropy.kernel_fits = lambda *args: False
+    if torch_swiglu:  # SwiGLU as PyTorch's silu(gate) * up (inductor fuses it, with float8 also with the casts'
+        from hf_megatron import kernels  # amax and scaling) instead of the csrc custom op
+        kernels.swiglu = kernels.swiglu_reference
     setup_parallel(cfg)  # one process: a 1 x 1 x 1 grid, no process group
     try:
         source = hf_model(spec, device)
@@ -250,7 +254,7 @@ MODIFIERS = {  # "+name" after an ours-* variant: its options on top (e.g. ours-
     "fused-ce": {"fused_loss": True}, "float8": {"float8": True},
     "wgrad-fusion": {"wgrad_fusion": True}, "torch-adamw": {"torch_adamw": True}, "decoder": {"scope": "decoder"},
     "deferred": {"deferred": True}, "bf16-moments": {"bf16_moments": True}, "full-buffer": {"full_buffer": True},
-    "torch-ce": {"torch_ce": True}, "bf16-ends": {"bf16_ends": True}}
+    "torch-ce": {"torch_ce": True}, "bf16-ends": {"bf16_ends": True}, "torch-swiglu": {"torch_swiglu": True}}
 NAMED = {  # the named ours-* variants as ours-compile + modifiers
     "ours-fused-ce": "fused-ce", "ours-float8": "float8", "ours-wgrad-fusion": "wgrad-fusion",
     "ours-compile-full-buffer": "full-buffer", "ours-torch-adamw": "torch-adamw", "ours-compile-decoder": "decoder",
