@@ -112,11 +112,34 @@ def _kill_and_finish(root, save, kills, seed=0, stop=signal.SIGTERM):
     assert f"exiting at iteration {stopped_at}: received {stop.name}" in out and before < stopped_at < ITERS, out[-2000:]
     _resume(root, save)
     assert_same_weights(weights(save, ITERS), weights(root / "straight", ITERS))
+    assert not [e.name for e in os.scandir(save) if ".partial" in e.name]  # what the kills left is gone
     return landed_mid_save
 
 
 def test_sigterm_and_sigkills_lose_nothing(workspace):
     _kill_and_finish(workspace, workspace / "killed", kills=2)
+
+
+def test_a_resumed_run_removes_what_a_killed_save_left(workspace):
+    """A SIGKILL mid-save leaves the staging folder (and maybe a tracker's temporary file); the next
+    run on that --save holds its lock, so it removes them, says so, and keeps everything else."""
+    save = workspace / "left_over"
+    assert cli_inprocess(*base_args(workspace, 2, *DROPOUT, "--save", save))[0] == 0
+    staging = save / ".iter_0000003.partial-shared"
+    (staging / "mp_rank_00").mkdir(parents=True)
+    (staging / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"half")
+    tracker_tmp = save / ".latest_checkpointed_iteration.txt.k2x9a1"
+    tracker_tmp.write_text("3")
+    kept = [save / ".user-notes", save / "iter_0000009.partial-mine"]
+    kept[0].write_text("mine")
+    kept[1].mkdir()
+    code, _, err = cli_inprocess(*base_args(workspace, 3, *DROPOUT, "--save", save, "--load", save))
+    assert code == 0, err[-2000:]
+    assert not staging.exists() and not tracker_tmp.exists()
+    assert all(p.exists() for p in kept)
+    assert ("removed what an interrupted save left there: .iter_0000003.partial-shared, "
+            ".latest_checkpointed_iteration.txt.k2x9a1") in err
+    assert _tracker(save) == 3
 
 
 @pytest.mark.slow

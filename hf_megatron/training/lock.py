@@ -8,10 +8,17 @@ file is kept while the folder holds anything else: unlinking it could let a star
 fresh inode beside it.  A run that stops having written nothing (an error, nothing to train) leaves
 no trace: the lock file it created goes, and the folder too when the run created it.
 Under torch.distributed only global rank 0 takes the lock; every rank gets the verdict.
+
+Holding the lock also means no live run is writing the folder, so what an interrupted save left
+there -- a staging folder `.iter_NNNNNNN.partial-*` (checkpoint/files.py's StagingDir) or a
+tracker's temporary `.latest_checkpointed_iteration.txt.*`, which a SIGKILL or a crashed machine
+leaves behind since no handler runs -- is removed when the lock is taken; `cleared` names it.
 """
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 from pathlib import Path
 
@@ -20,11 +27,29 @@ import torch.distributed as dist
 from ..errors import CheckpointError
 
 LOCK_FILE = ".hf_megatron.lock"
+# what checkpoint/files.py writes under a hidden name before renaming it into place
+UNFINISHED = re.compile(r"\.(iter_\d{7}|release)\.partial-.+|\.latest_checkpointed_iteration\.txt\..+")
+
+
+def clear_unfinished(folder: Path) -> list[str]:
+    """Remove the staging folders and temporary tracker files an interrupted save left in `folder`
+    (top level only); their names, sorted.  Call only while holding the folder's lock."""
+    cleared = []
+    for path in sorted(folder.iterdir()):
+        if not UNFINISHED.fullmatch(path.name) or path.is_symlink():
+            continue
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except OSError:
+            continue
+        cleared.append(path.name)
+    return cleared
 
 
 class SaveLock:
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder, self.path, self._fd = Path(folder), Path(folder) / LOCK_FILE, None
+        self.cleared: list[str] = []  # what an interrupted save had left (clear_unfinished)
         self._created: list[Path] = []  # what _try made: the lock file, then the folder(s) it needed
 
     def _try(self) -> str | None:
@@ -50,15 +75,20 @@ class SaveLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
         self._fd = fd
+        try:
+            self.cleared = clear_unfinished(self.folder)
+        except OSError:
+            self.cleared = []
         return None
 
     def acquire(self) -> "SaveLock":
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        verdict = [self._try() if not distributed or dist.get_rank() == 0 else None]
+        verdict = [self._try() if not distributed or dist.get_rank() == 0 else None, self.cleared]
         if distributed:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             raise CheckpointError(verdict[0])
+        self.cleared = verdict[1]
         return self
 
     def release(self, remove_if_unused: bool = False) -> None:

@@ -142,6 +142,8 @@ def pretrain(cfg: trainer.TrainingConfig, run: RunConfig) -> dict[str, Any]:
         cfg, start, source, device, gbs = _setup(cfg, run)
         monitor.cfg = cfg  # with the iterations a --train-samples run resolved to
         lock = SaveLock(run.save).acquire() if run.save else None
+        if lock and lock.cleared:
+            monitor.warn(f"--save {run.save}: removed what an interrupted save left there: {', '.join(lock.cleared)}")
         return _train(cfg, run, start, source, device, gbs, exits, monitor, sampler)
     finally:
         exits.restore()
