@@ -267,6 +267,9 @@ def test_log_counts_skipped_and_nan_steps_and_survives_a_none_grad_norm(tmp_path
     assert line["lm loss"] == "4.000000E+00"  # the mean over applied steps only
     assert (line["grad norm"], line["number of skipped iterations"], line["number of nan iterations"]) == ("1.000", "2", "1")
     assert line["consumed samples"] == str(3 * GBS) and line["loss scale"] == f"{2.0 ** 30:g}"
+    # a step's stats with the scaler's value after it: the line shows that one, as Megatron-LM's
+    monitor.step(3, {**steps[2], "next_loss_scale": 2.0 ** 31})
+    assert _fields(monitor.stream.getvalue().splitlines()[-1])["loss scale"] == f"{2.0 ** 31:g}"
     monitor.step(4, steps[3])
     monitor.log_line(4)
     line = _fields(monitor.stream.getvalue().splitlines()[-1])

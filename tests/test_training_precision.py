@@ -88,6 +88,10 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale_and_bf16_pipeline_keeps_t
         assert [s["changed"] for s in stats] == [True, False, True, True, True]  # skipped: weights kept
         # scale used by each step: 2^12, 2^12 (inf -> halve), 2^11, 2^11 (2 clean -> grow), 2^12
         assert [s["loss_scale"] for s in stats] == [2.0 ** 12, 2.0 ** 12, 2.0 ** 11, 2.0 ** 11, 2.0 ** 12]
+        # what the log shows (Megatron-LM reads get_loss_scale() after train_step): the scaler's value after
+        # each step, i.e. already halved on the skipped step's line
+        assert [s["next_loss_scale"] for s in stats] == [s["scale_after"] for s in stats]
+        assert [s["next_loss_scale"] for s in stats][:4] == [2.0 ** 12, 2.0 ** 11, 2.0 ** 11, 2.0 ** 12]
         # the skipped step does not advance the (decaying) LR schedule
         lrs = [s["lr"] for s in stats]
         assert lrs[0] > lrs[1] == lrs[2] > lrs[3] > lrs[4]

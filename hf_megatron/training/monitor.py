@@ -72,6 +72,13 @@ def logged_lr(stats: dict) -> float | None:
     return stats["next_lr"] if stats.get("next_lr") is not None else stats.get("lr")
 
 
+def logged_loss_scale(stats: dict) -> float | None:
+    """The loss scale shown for a step: as Megatron-LM's training_log, the optimizer's scale read after
+    the step (`next_loss_scale`: already halved on the line of a step skipped for an overflow), else
+    the scale the step used."""
+    return stats["next_loss_scale"] if stats.get("next_loss_scale") is not None else stats.get("loss_scale")
+
+
 class Monitor:
     def __init__(self, cfg, run, stream=None):
         self.cfg, self.run = cfg, run
@@ -250,7 +257,7 @@ class Monitor:
         if shown:
             self.train_curve.append((iteration, loss))
         self.scalars(iteration, {"lm loss": loss if shown else None, "learning-rate": logged_lr(stats),
-                                 "grad-norm": grad_norm, "loss-scale": stats.get("loss_scale"),
+                                 "grad-norm": grad_norm, "loss-scale": logged_loss_scale(stats),
                                  "batch-size": self.global_batch, "skipped-iterations": self.skipped,
                                  "nan-iterations": self.nans}, samples)
         if self.bar is not None:
@@ -283,7 +290,7 @@ class Monitor:
             parts.append(f"MFU: {100 * rates['mfu']:.1f}%")
         parts += [f"tokens/s: {rates['tokens_per_s']:,.0f}", f"learning rate: {logged_lr(last) or 0.0:.6E}",
                   f"lm loss: {loss:.6E}" if loss is not None else "lm loss: n/a",
-                  f"loss scale: {last.get('loss_scale', 1.0):g}", f"grad norm: {grad}",
+                  f"loss scale: {logged_loss_scale(last) or 1.0:g}", f"grad norm: {grad}",
                   # in this log interval, as Megatron-LM's training_log (it resets them after each line)
                   f"number of skipped iterations: {sum(_skipped(s) for _, s in self.window)}",
                   f"number of nan iterations: {sum(not _finite(s) for _, s in self.window)}",

@@ -133,9 +133,10 @@ def train_step(chunks, optimizer: MixedPrecisionOptimizer, scheduler: LRSchedule
     the grads), all but the last accumulate=True (stop after backward: no grad reduction, no
     update); the last reduces the summed grads and steps once.
 
-    Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens", "next_lr"};
-    `lr` and `loss_scale` are the values this step used, `next_lr` the lr after its schedule update
-    (the one the log shows, as Megatron-LM's).  (training/deferred.py runs the same three parts with
+    Returns {"loss", "grad_norm" (None when skipped), "lr", "skipped", "loss_scale", "num_tokens", "next_lr",
+    "next_loss_scale"}; `lr` and `loss_scale` are the values this step used, `next_lr` / `next_loss_scale`
+    the lr after its schedule update and the scale after its scaler update (the ones the log shows, as
+    Megatron-LM's).  (training/deferred.py runs the same three parts with
     each step's read moved after the next step's forward and backward.)"""
     step = queue_forward_backward(chunks, optimizer, micro_batches, fresh=fresh, loss_weight=loss_weight,
                                   reduce=not accumulate)
@@ -223,7 +224,8 @@ def read_step(step: QueuedStep, optimizer, scheduler: LRScheduler | None) -> dic
         scheduler.step()
     # `next_lr`: the lr after this step's schedule update, what Megatron-LM's training_log prints as
     # "learning rate" (optimizer.param_groups' lr read after train_step stepped the scheduler)
-    return {**result, "grad_norm": grad_norm, "skipped": not updated, "next_lr": _current_lr(optimizer)}
+    return {**result, "grad_norm": grad_norm, "skipped": not updated, "next_lr": _current_lr(optimizer),
+            "next_loss_scale": optimizer.loss_scale}
 
 
 @torch.no_grad()
