@@ -8,13 +8,24 @@ it): the dependency points down, and config.py names no family.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from .errors import ConfigError  # re-exported
 
 # HF config dict -> ModelConfig keyword arguments; installed by hf_megatron.architectures
 _hf_reader: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
+def has_endoftext(vocab: str | Path) -> bool:
+    """Whether a GPT-2 vocab.json holds '<|endoftext|>', where Megatron-LM's GPT2BPETokenizer takes
+    its end-of-document id from (shared by the checkpoint and data layers)."""
+    try:
+        return "<|endoftext|>" in json.loads(Path(vocab).read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def install_hf_reader(reader: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

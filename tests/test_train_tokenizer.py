@@ -67,6 +67,9 @@ def test_megatron_lm_tokenizer_flags_gpt2_bpe_files_and_null(workspace, tmp_path
     fast = AutoTokenizer.from_pretrained(workspace / "config")
     fast.backend_tokenizer.model.save(str(tmp_path), "gpt2")  # gpt2-vocab.json, gpt2-merges.txt
     vocab, merges = tmp_path / "gpt2-vocab.json", tmp_path / "gpt2-merges.txt"
+    entries = json.loads(vocab.read_text())  # GPT2BPETokenizer's EOD is '<|endoftext|>' of vocab.json
+    entries.setdefault("<|endoftext|>", len(entries))
+    vocab.write_text(json.dumps(entries))
     ids = len(json.loads(vocab.read_text()))
     import numpy as np
     from hf_megatron.data import IndexedDatasetWriter

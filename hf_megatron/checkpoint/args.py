@@ -54,6 +54,7 @@ import torch
 
 from ..architectures import hf_config_from_megatron_args
 from ..config import ConfigError, ModelConfig
+from ..config import has_endoftext as _has_endoftext
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 SP_MODEL = "tokenizer.model"  # a SentencePiece model stored without transformers' files ...
@@ -243,14 +244,6 @@ def _sentencepiece_kind(folder: Path) -> str:
     except (OSError, ValueError, AttributeError):
         return SP_DEFAULT_KIND
     return kind if kind in SP_KINDS else SP_DEFAULT_KIND
-
-
-def _has_endoftext(vocab: Path) -> bool:
-    """Megatron-LM's GPT2BPETokenizer takes its end-of-document id from '<|endoftext|>'."""
-    try:
-        return "<|endoftext|>" in json.loads(vocab.read_text(encoding="utf-8"))
-    except (OSError, ValueError, TypeError):
-        return False
 
 
 def _version() -> str:

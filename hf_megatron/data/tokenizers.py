@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Iterable
 
+from ..config import has_endoftext
 from ..errors import ConfigError, DataError, DataNotFoundError
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -134,10 +135,14 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
         merges = _require_file(merge_file, "--merge-file", "GPT-2 merges.txt")
         # positional: transformers 4 names them vocab_file/merges_file, transformers 5 vocab/merges
         try:
-            return HFTokenizer(GPT2TokenizerFast(vocab, merges))
+            tokenizer = GPT2TokenizerFast(vocab, merges)
         except Exception as exc:  # a damaged vocab.json / merges.txt
             raise DataError(f"{vocab} / {merges}: cannot build the GPT-2 BPE tokenizer "
                             f"({type(exc).__name__}: {exc})".splitlines()[0]) from None
+        if not has_endoftext(vocab):  # transformers would add it past the vocab; Megatron-LM fails
+            raise DataError(f"{vocab}: expected a GPT-2 vocab.json holding '<|endoftext|>' (GPT2BPETokenizer's "
+                            "end-of-document token); use --tokenizer-type HuggingFaceTokenizer for another vocab")
+        return HFTokenizer(tokenizer)
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         model = _require_file(tokenizer_model, "--tokenizer-model", "SentencePiece model file")
         return SentencePieceTokenizer(model, add_bos=tokenizer_type == "Llama2Tokenizer")
