@@ -11,6 +11,7 @@ megatron-core's next losses and holds its Adam moments, step and fp32 main weigh
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,22 @@ def _load_into_distributed_optimizer(rank, world, root, arch, saved):
     return wrong
 
 
+def _check_megatron_lm_load_flags(tmp_path, dtype) -> None:
+    """Megatron-LM's load flags on its torch_dist checkpoint: --ckpt-step names the saved iteration (another is
+    refused in one line), --auto-detect-ckpt-format / --ckpt-format torch are accepted (--load always detects),
+    --finetune and --no-load-rng start at iteration 0 from its weights."""
+    from test_megatron_optimizer import resume_flags
+    from train_cli import cli_inprocess, error_line
+    args = ("--load", tmp_path / "megatron_lm", "--train-iters", K + 1, *resume_flags(tmp_path, dtype))
+    code, out, err = cli_inprocess(*args, "--ckpt-step", K, "--ckpt-format", "torch", "--auto-detect-ckpt-format")
+    assert code == 0 and f"iteration      {K + 1}/{K + 1}" in out, err[-3000:]
+    line = error_line(cli_inprocess(*args, "--ckpt-step", K + 3))
+    assert line == (f"hf-megatron train: error: --ckpt-step {K + 3}: {tmp_path / 'megatron_lm'} has no "
+                    f"iter_{K + 3:07d}; its iterations: iter_{K:07d}")
+    code, out, err = cli_inprocess(*args[:3], 1, *args[4:], "--finetune", "--no-load-rng")
+    assert code == 0 and re.search(r"iteration\s+1/1\b", out), err[-3000:]  # from iteration 0
+
+
 @pytest.mark.parametrize("arch, dtype, layout", [("gpt2", "fp32", None), ("qwen2", "bf16", {"tp": 2}),
                                                   pytest.param("qwen2", "bf16", {"pp": 2}, marks=pytest.mark.slow)])
 def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, layout, tmp_path):
@@ -158,6 +175,7 @@ def test_train_resumes_a_megatron_lm_torch_dist_checkpoint(arch, dtype, layout, 
         assert sorted({n for names, _ in ranks for n in names}) == sorted(saved)
         return
     assert run_distributed(_load_into_distributed_optimizer, 2, (str(tmp_path), arch, saved)) == [[], []]
+    _check_megatron_lm_load_flags(tmp_path, dtype)
     # without its optimizer state: refused in one line unless --no-load-optim says so
     from hf_megatron.checkpoint.unpickle import safe_load
     from test_megatron_optimizer import resume_flags

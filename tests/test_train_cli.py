@@ -357,11 +357,25 @@ def test_megatron_lm_flags_hf_megatron_lacks_are_named_under_the_verbs_usage(wor
     assert code == 2 and err.startswith("usage: hf-megatron train [-h]"), err[:300]
     assert err.strip().splitlines()[-1] == ("hf-megatron train: error: unrecognized arguments: --mock-data "
                                             "(Megatron-LM's --mock-data is not supported by hf-megatron)")
-    code, _, err = cli_inprocess(*base_args(workspace, 1, "--ckpt-format", "torch", "--bogus-flag"))
-    assert err.strip().splitlines()[-1] == ("hf-megatron train: error: unrecognized arguments: --ckpt-format "
-                                            "--bogus-flag (Megatron-LM's --ckpt-format is not supported by "
+    code, _, err = cli_inprocess(*base_args(workspace, 1, "--async-save", "--bogus-flag"))
+    assert err.strip().splitlines()[-1] == ("hf-megatron train: error: unrecognized arguments: --async-save "
+                                            "--bogus-flag (Megatron-LM's --async-save is not supported by "
                                             "hf-megatron)"), err[-500:]
     # implementation choices hf-megatron has one of: accepted, no effect
     code, _, err = _train(workspace, tmp_path / "noop", 1, "--use-mcore-models", "--transformer-impl", "local",
-                          "--no-masked-softmax-fusion")
+                          "--no-masked-softmax-fusion", "--ckpt-format", "torch", "--auto-detect-ckpt-format")
     assert code == 0, err[-2000:]
+    assert sorted(p.name for p in (tmp_path / "noop" / "iter_0000001").iterdir()) == ["mp_rank_00"]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("torch_dist", "RunConfig.ckpt_format (--ckpt-format torch_dist): train writes only torch checkpoints; save "
+                   "with --ckpt-format torch, then `hf-megatron convert/reshard --ckpt-format torch_dist` writes "
+                   "torch_dist (train --load resumes either)"),
+    ("zarr", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, got 'zarr'"),
+    ("fsdp_dtensor", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, got 'fsdp_dtensor'"),
+])
+def test_ckpt_format_train_does_not_write_is_one_line(workspace, tmp_path, value, expected):
+    line = error_line(_train(workspace, tmp_path / "out", 1, "--ckpt-format", value))
+    assert line == f"hf-megatron train: error: {expected}"
+    assert not (tmp_path / "out").exists()

@@ -71,6 +71,8 @@ def add_megatron_lm_no_ops(parser: argparse.ArgumentParser) -> None:
                        help="megatron-core's GPTModel: the model is always built under its names")
     group.add_argument("--transformer-impl", choices=("local",), dest="_transformer_impl",
                        help="megatron-core's local layers (Transformer Engine's are not supported)")
+    group.add_argument("--auto-detect-ckpt-format", action="store_true", dest="_auto_detect_ckpt_format",
+                       help="--load always detects the checkpoint's format (torch or torch_dist)")
     group.add_argument("--no-masked-softmax-fusion", action="store_true", dest="_no_masked_softmax_fusion",
                        help="hf-megatron has no fused masked-softmax kernel to turn off")
 
