@@ -50,3 +50,18 @@ def test_train_refuses_a_vocab_without_endoftext(files, tmp_path):
                                               "--save", tmp_path / "ckpt", config=False))
     assert code == 2 and err.strip().splitlines()[-1] == f"hf-megatron train: error: {_expected(vocab)}", err[-2000:]
     assert "Traceback" not in err and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("flag", ["--split-sentences", "--keep-newlines", "--lang=english"])
+def test_preprocess_names_megatron_lms_sentence_splitting_flags_as_unsupported(files, tmp_path, capsys, flag):
+    """Megatron-LM's tools/preprocess_data.py flags hf-megatron lacks were a bare "unrecognized"."""
+    root, _, _ = files
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["preprocess", "--input", str(root / "in.jsonl"), "--output-prefix", str(tmp_path / "o"),
+                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", flag])
+    code = exit_.value.code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    name = flag.split("=")[0]
+    assert code == 2 and err == (f"hf-megatron preprocess: error: unrecognized arguments: {flag} (Megatron-LM's "
+                                 f"{name} is not supported by hf-megatron)"), err
+    assert not list(tmp_path.iterdir())

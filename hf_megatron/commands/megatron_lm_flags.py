@@ -150,3 +150,6 @@ vision-backbone-type vision-pretraining vision-pretraining-type vocab-extra-ids 
 wandb-exp-name wandb-project wandb-save-dir warmup weight-decay weight-decay-incr-style wgrad-deferral-limit
 window-attn-skip-freq window-size yaml-cfg
 """.split())
+
+# tools/preprocess_data.py's flags that `hf-megatron preprocess` does not take (NLTK sentence splitting)
+MEGATRON_LM_FLAGS |= frozenset("split-sentences keep-newlines lang keep-sequential-samples".split())
