@@ -31,7 +31,7 @@ from ...errors import ConfigError
 from ...parallel import state
 from ...training import trainer
 from . import state_io
-from .engine import MegatronEngine, follow_user_lr
+from .engine import EngineRNG, MegatronEngine, follow_user_lr
 from .loaders import prepare_loader
 from .param_groups import chunk_param_groups, hf_param_refs
 from .plugin import ENV_FLAG, megatron_requested, schedule_fields, training_config_from_plugin
@@ -173,9 +173,10 @@ class Accelerator(accelerate.Accelerator):
                          cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size or 1)
         # built under init_empty_weights: a fresh Megatron init now, weights from load_state later
         source = model_config if any(p.is_meta for p in model.parameters()) else model
-        chunks = trainer.build_model(source, cfg, device=self.device,
-                                     compile=cfg.compile_options(self.device, **(self._compile_kwargs or {})))
-        self._engine = MegatronEngine(chunks, cfg, model.config, self)
+        # the build seeds and draws on the engine's own stream; the user's generators stay as plain accelerate's
+        chunks, rng = EngineRNG.build(lambda: trainer.build_model(
+            source, cfg, device=self.device, compile=cfg.compile_options(self.device, **(self._compile_kwargs or {}))))
+        self._engine = MegatronEngine(chunks, cfg, model.config, self, rng=rng)
         self._hf_refs = hf_param_refs(model)
         self._models.append(self._engine)
         for pending in self._pending:

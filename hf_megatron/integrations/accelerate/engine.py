@@ -54,11 +54,62 @@ def _output(loss: torch.Tensor, logits: torch.Tensor | None = None):
     return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
 
 
+def _generators() -> dict:
+    """The default generators a step draws from: CPU's and the current CUDA device's."""
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_generators(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+class EngineRNG:
+    """The engine's own default-generator stream, apart from the user's.
+
+    `trainer.build_model` seeds the default generators alike on the tensor-parallel ranks of a
+    replica (Megatron's seed + 100 * pp rank) and draws from them; dropout in the replicated
+    regions of a step draws from them too.  Plain accelerate's prepare(model) draws nothing, so
+    the build and every step run with this stream swapped in, and the user's generators (set_seed,
+    the script's own draws) are left exactly as plain accelerate leaves them -- while the tensor-
+    parallel ranks still agree on their replicated dropout masks whatever the user seeded.
+    `build` runs `fn` with the default generators as it leaves them for the engine."""
+
+    def __init__(self, states: dict) -> None:
+        self.states = states
+
+    @classmethod
+    def build(cls, fn):
+        user = _generators()
+        try:
+            result = fn()
+            own = cls(_generators())
+        finally:
+            _set_generators(user)
+        return result, own
+
+    @contextlib.contextmanager
+    def active(self):
+        user = _generators()
+        _set_generators(self.states)
+        try:
+            yield
+        finally:
+            self.states = _generators()
+            _set_generators(user)
+
+
 class MegatronEngine(nn.Module):
     """This rank's model chunks + optimizer + schedule, behind a transformers-like forward."""
 
-    def __init__(self, chunks: list[nn.Module], cfg: trainer.TrainingConfig, hf_config, accelerator):
+    def __init__(self, chunks: list[nn.Module], cfg: trainer.TrainingConfig, hf_config, accelerator,
+                 rng: EngineRNG | None = None):
         super().__init__()
+        self.rng = rng or EngineRNG(_generators())  # the stream the steps draw from (not the user's)
         self.chunks = nn.ModuleList(chunks)
         self.cfg, self.hf_config = cfg, hf_config
         self._accelerator = [accelerator]  # a list: not a submodule, not in state_dict
@@ -113,7 +164,8 @@ class MegatronEngine(nn.Module):
             if batch.pop(flag, None):
                 raise ConfigError(f"model(**batch, {flag}=True) (Megatron-LM engine): not available; the engine returns "
                                   f"the loss (and logits with MegatronLMPlugin(return_logits=True) in eval mode)")
-        out = self._train(batch) if self.training else self._evaluate(batch)
+        with self.rng.active():
+            out = self._train(batch) if self.training else self._evaluate(batch)
         return out if return_dict is None or return_dict else out.to_tuple()  # transformers' return_dict=False
 
     def _train(self, batch: dict):

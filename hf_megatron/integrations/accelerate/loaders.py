@@ -30,12 +30,41 @@ _LOADER_KWARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_
                   "persistent_workers", "generator", "multiprocessing_context")
 
 
+class PassSeededSampler(torch.utils.data.RandomSampler):
+    """A shuffling sampler at dp 1, as plain accelerate's one process leaves torch's RandomSampler
+    (no generator: each pass draws its seed from the user's torch generator, after the loader's own
+    base-seed draw), so set_seed gives plain accelerate's order; the first rank's seed serves every
+    rank (the tp / pp ranks of the one replica read the same batches).  `pass_start`: the generator
+    as the current pass seeded it; `resume_state`: a checkpoint's mid-pass state for the next pass."""
+
+    pass_start: torch.Tensor | None = None
+    resume_state: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, sampler: torch.utils.data.RandomSampler) -> "PassSeededSampler":
+        return cls(sampler.data_source, replacement=sampler.replacement, num_samples=sampler._num_samples,
+                   generator=torch.Generator())
+
+    def __iter__(self):
+        if self.resume_state is not None:
+            self.generator.set_state(self.resume_state)
+            self.resume_state = None
+        else:
+            seed = [int(torch.empty((), dtype=torch.int64).random_().item())]  # torch's RandomSampler's draw
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.broadcast_object_list(seed, src=0)
+            self.generator.manual_seed(seed[0])
+        self.pass_start = self.generator.get_state()
+        yield from super().__iter__()
+
+
 class PositionedLoader(DataLoaderShard):
     """accelerate's DataLoaderShard that remembers where its current pass is."""
 
     _pass_index: int | None = None          # `iteration` (pass number) when the current pass began
     _pass_start: torch.Tensor | None = None  # shuffle generator state then
     _yielded = 0
+    _pass_sampler = None                     # a PassSeededSampler (dp 1 shuffle), or None
 
     def __iter__(self):
         generator = self.synchronized_generator
@@ -55,7 +84,10 @@ class PositionedLoader(DataLoaderShard):
             # ahead, so the sampler is exhausted and the generator holds every draw of this pass
             # (torch's RandomSampler draws once more on exhaustion)
             return {"pass": self._pass_index + 1, "batches": 0, "generator_state": current}
-        return {"pass": self._pass_index, "batches": self._yielded, "generator_state": self._pass_start}
+        start = self._pass_start
+        if isinstance(self._pass_sampler, PassSeededSampler) and self._pass_sampler.pass_start is not None:
+            start = self._pass_sampler.pass_start  # seeded as the pass began, not at __iter__
+        return {"pass": self._pass_index, "batches": self._yielded, "generator_state": start}
 
     def _length(self) -> float:
         try:
@@ -66,6 +98,8 @@ class PositionedLoader(DataLoaderShard):
     def restore(self, saved: dict[str, Any]) -> None:
         if saved.get("generator_state") is not None and self.synchronized_generator is not None:
             self.synchronized_generator.set_state(saved["generator_state"])
+            if isinstance(self._pass_sampler, PassSeededSampler) and int(saved.get("batches") or 0) > 0:
+                self._pass_sampler.resume_state = saved["generator_state"]  # that pass's order again
         self.iteration = int(saved["pass"])
 
 
@@ -84,6 +118,9 @@ def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device,
                           "unset (each data-parallel rank reads its own share, an IterableDataset too)")
     iterable = isinstance(loader.dataset, torch.utils.data.IterableDataset)
     sampler = {} if iterable else {"sampler": loader.sampler}  # torch refuses a sampler with an IterableDataset
+    if (state.get_state().dp == 1 and type(loader.sampler) is torch.utils.data.RandomSampler
+            and loader.sampler.generator is None and not config.use_seedable_sampler):
+        sampler["sampler"] = PassSeededSampler.of(loader.sampler)  # no draw at prepare (plain accelerate's 1 process)
     rebuilt = torch.utils.data.DataLoader(loader.dataset, batch_size=batch_size, drop_last=loader.drop_last,
                                           **sampler, **kwargs)
     grid = state.get_state()
@@ -102,4 +139,5 @@ def prepare_loader(loader: torch.utils.data.DataLoader, batch_size: int, device,
         # read-only property (it reports torch's DataLoader for isinstance checks, and still
         # does), so the type is set through object's own slot
         object.__dict__["__class__"].__set__(prepared, PositionedLoader)
+        prepared._pass_sampler = sampler.get("sampler")
     return prepared

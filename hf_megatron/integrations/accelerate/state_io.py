@@ -37,6 +37,7 @@ import torch.distributed as dist
 from ...checkpoint.unpickle import safe_load
 from ...errors import ConfigError
 from ...training.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
+from .engine import _generators, _set_generators
 from .loaders import PositionedLoader
 from .weights import gather_full, write_hf_folder
 
@@ -136,7 +137,10 @@ def save_state(accelerator, engine, output_dir=None) -> str:
                              for dl in accelerator._dataloaders]}
     if engine.user_scheduler is not None:
         extra["user_scheduler"] = engine.user_scheduler.state_dict()
-    save_checkpoint(folder, engine.iteration, chunks, engine.optimizer, engine.scheduler, extra=extra)
+    with engine.rng.active():  # the checkpoint's torch RNG entry is the engine's stream (the steps' dropout)
+        save_checkpoint(folder, engine.iteration, chunks, engine.optimizer, engine.scheduler, extra=extra)
+    # the user's own torch generators, as accelerate's random_states_<process>.pkl keeps them
+    torch.save(_generators(), folder / f"user_torch_rng_{dist.get_rank() if dist.is_initialized() else 0}.pt")
     full = gather_full(chunks, dst=accelerator.num_processes - 1, optimizer=engine.optimizer)  # the main process: the last rank
     if full is not None:
         write_hf_folder(full, chunks[0].config, folder)
@@ -152,7 +156,11 @@ def load_state(accelerator, engine, input_dir=None) -> None:
         hook([], os.fspath(folder))  # as accelerate's Megatron-LM path: the engine loads itself
     chunks = list(engine.chunks)
     _barrier()
-    engine.iteration = load_checkpoint(folder, chunks, engine.optimizer, engine.scheduler)
+    with engine.rng.active():
+        engine.iteration = load_checkpoint(folder, chunks, engine.optimizer, engine.scheduler)
+    user_rng = folder / f"user_torch_rng_{dist.get_rank() if dist.is_initialized() else 0}.pt"
+    if user_rng.is_file():  # restored as accelerate's load_state restores random_states_<process>.pkl
+        _set_generators(safe_load(user_rng))
     info = checkpoint_info(folder)
     engine.consumed_train_samples = int(info.get("consumed_train_samples") or 0)
     engine._accumulated = 0
