@@ -129,7 +129,10 @@ def test_megatron_lm_pretrain_gpt_command_line_runs_unchanged(tmp_path):
 
     from hf_megatron.data import IndexedDatasetWriter
     make_tokenizer(tmp_path / "tok").backend_tokenizer.model.save(str(tmp_path), "gpt2")
-    ids = len(json.loads((tmp_path / "gpt2-vocab.json").read_text()))
+    entries = json.loads((tmp_path / "gpt2-vocab.json").read_text())  # GPT-2's vocab.json holds its EOD
+    entries.setdefault("<|endoftext|>", len(entries))
+    (tmp_path / "gpt2-vocab.json").write_text(json.dumps(entries))
+    ids = len(entries)
     with IndexedDatasetWriter(str(tmp_path / "corpus_text_document"), dtype=np.uint16) as writer:
         for doc in np.random.default_rng(0).integers(0, ids, size=(80, 40)):
             writer.add_item(doc)
