@@ -87,3 +87,25 @@ def test_a_megatron_lm_checkpoint_knowing_only_its_padded_vocabulary_takes_the_t
     check_flags_match_checkpoint(config(VOCAB), config(384), "ck", resume=True)  # 300 pads to 384
     with pytest.raises(Exception, match=r"vocab_size is 300, the model flags make it 301 \(--vocab-size\)"):
         check_flags_match_checkpoint(config(301), config(VOCAB), "ck", resume=True)  # ours knows it exactly
+
+
+def test_an_hf_config_that_contradicts_the_checkpoint_is_refused(workspace, tmp_path):
+    """--hf-config on a resume is checked as the model flags are: same-shaped contradictions (8 heads of
+    width 8 for 4 of width 16; another rope base) would load the weights into another model."""
+    from tiny import tiny_config
+    save = tmp_path / "ck"
+    code, _, err = cli_inprocess(*base_args(workspace, 1, "--lr-decay-iters", 4, "--save", save))
+    assert code == 0, err[-2000:]
+    for field, value, overrides in [("num_attention_heads", "8", dict(num_attention_heads=8, num_key_value_heads=4,
+                                                                      head_dim=8)),
+                                    ("rotary_base", "10000", dict(rope_theta=10000.0))]:
+        other = tmp_path / field
+        tiny_config("llama", **overrides).save_pretrained(other)
+        args = [a if a != workspace / "config" else other for a in base_args(workspace, 2, "--lr-decay-iters", 4,
+                                                                              "--load", save, "--save", save)]
+        line = error_line(cli_inprocess(*args))
+        assert f"checkpoint's {field} is " in line and f"--hf-config {other} makes it {value}" in line, line
+    assert _tracker(save) == "1"
+    code, _, err = cli_inprocess(*base_args(workspace, 2, "--lr-decay-iters", 4, "--load", save, "--save", save))
+    assert code == 0, err[-2000:]  # the checkpoint's own config resumes
+    assert _tracker(save) == "2"

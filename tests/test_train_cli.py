@@ -3,9 +3,11 @@ a resumed run (--load) that ends exactly where an uninterrupted run ends, fp16 w
 the --load rules, --train-samples, the checks done before the model is built and the --save lock."""
 import json
 import os
+import shutil
 import time
 
 import pytest
+import torch
 
 from train_cli import (base_args, cli_inprocess, cli_subprocess, error_line, learning_rates,
                        make_workspace)
@@ -236,8 +238,9 @@ def test_a_second_writer_of_a_save_folder_gets_a_clearerror_line(workspace):
 
 
 def test_a_load_of_another_model_shape_names_the_tensor_and_leaves_no_save_folder(workspace, tmp_path):
-    """The message named no tensor (torch's first line); the failed run and a run with nothing to train
-    left <save>/ holding only .hf_megatron.lock."""
+    """An --hf-config of another shape is refused by its args (check_checkpoint_args); a checkpoint whose
+    tensors differ from its own args names the tensor (the message named none: torch's first line); the
+    failed runs and a run with nothing to train left <save>/ holding only .hf_megatron.lock."""
     from tiny import tiny_config
     config = tiny_config("llama")
     tiny_config("llama", intermediate_size=96).save_pretrained(tmp_path / "narrow")
@@ -246,10 +249,24 @@ def test_a_load_of_another_model_shape_names_the_tensor_and_leaves_no_save_folde
     save = tmp_path / "new" / "run"
     line = error_line(cli_inprocess(*base_args(workspace, 4, "--hf-config", tmp_path / "narrow", "--load", source,
                                            "--save", save, config=False)))
+    assert f"checkpoint's ffn_hidden_size is {config.intermediate_size}, --hf-config {tmp_path / 'narrow'} makes it 96" \
+        in line, line
+    assert not (tmp_path / "new").exists()
+    # a damaged rank file (its args kept): fc1 cut to 96 rows of gate and of up; checksums off, or they'd say it
+    damaged = tmp_path / "damaged"
+    shutil.copytree(source, damaged)
+    rank_file = damaged / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(rank_file, weights_only=False)
+    for name in [k for k in state["model"] if k.endswith("mlp.linear_fc1.weight")]:
+        state["model"][name] = state["model"][name][: 2 * 96].clone()
+    for name in [k for k in state["model"] if k.endswith("mlp.linear_fc2.weight")]:
+        state["model"][name] = state["model"][name][:, :96].clone()
+    torch.save(state, rank_file)
+    line = error_line(cli_inprocess(*base_args(workspace, 4, "--load", damaged, "--save", save, "--no-load-optim",
+                                               "--no-checkpoint-checksums")))
     # SwiGLU fc1 holds gate and up: 2 x intermediate rows of hidden columns
-    assert (f"{source}/iter_0000002/mp_rank_00/model_optim_rng.pt: does not fit the model ('model'): "
-            f"decoder.layers.0.mlp.linear_fc1.weight is [{2 * config.intermediate_size}, {config.hidden_size}] in the "
-            f"checkpoint, [{2 * 96}, {config.hidden_size}] in the model (and 3 more tensors)") in line
+    assert (f"{rank_file}: tensor 'decoder.layers.0.mlp.linear_fc1.weight' has shape ({2 * 96}, {config.hidden_size}), "
+            f"expected ({2 * config.intermediate_size}, {config.hidden_size}) from the checkpoint's args") in line, line
     assert not (tmp_path / "new").exists()
     code, out, err = cli_inprocess(*base_args(workspace, 2, "--load", source, "--save", save))
     assert code == 0 and "nothing to train" in out, err

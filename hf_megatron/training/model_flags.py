@@ -148,10 +148,12 @@ def _same_padded_vocab(flags_config, checkpoint_config) -> bool:
     return checkpoint_config.vocab_size == padded and -(-flags_config.vocab_size // divisor) * divisor == padded
 
 
-def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume: bool) -> None:
-    """One-line ConfigError at the first model-defining value the model flags give otherwise than the
-    checkpoint whose weights the run loads (a same-shaped contradiction, as 8 heads for 4 -- qkv keeps
-    its shape -- would otherwise load and train another model)."""
+def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume: bool,
+                                 given_by: str | None = None) -> None:
+    """One-line ConfigError at the first model-defining value the model flags (or the config file
+    `given_by`, e.g. "--hf-config <path>") give otherwise than the checkpoint whose weights the run
+    loads (a same-shaped contradiction, as 8 heads for 4 -- qkv keeps its shape -- would otherwise load
+    and train another model)."""
     from ..checkpoint.args import FIELDS, Layout
     layout = Layout()
     rope = "rope" in (flags_config.position_embedding_type, checkpoint_config.position_embedding_type)
@@ -160,6 +162,9 @@ def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume
             continue
         given, saved = FIELDS[name](flags_config, layout), FIELDS[name](checkpoint_config, layout)
         if given != saved and not (name == "vocab_size" and _same_padded_vocab(flags_config, checkpoint_config)):
+            if given_by:
+                raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, {given_by} makes it {given}; "
+                                  "the checkpoint defines the model: drop --hf-config or give it the checkpoint's values")
             raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, the model flags make it {given} "
                               f"({flag}); the checkpoint defines the model: drop the model flags or give its values")
 

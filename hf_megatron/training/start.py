@@ -160,15 +160,14 @@ def model_source(run: RunConfig, start: Start) -> tuple[Any, ModelConfig]:
     else a ModelConfig (weights then come from a Megatron checkpoint, or a Megatron-style init)."""
     if start.hf_source is not None:
         return start.hf_source, config_of_hf(start.hf_source)  # its own config.json gives the structure
-    if run.hf_config:
-        config = _config_of_hf_config_file(run.hf_config)
-    elif run.model_flags_given():
-        config = _config_of_model_flags(run)
-        if start.megatron_dir is not None:  # Megatron-LM's check_checkpoint_args, for every model flag
+    if run.hf_config or run.model_flags_given():
+        config = _config_of_hf_config_file(run.hf_config) if run.hf_config else _config_of_model_flags(run)
+        if start.megatron_dir is not None:  # Megatron-LM's check_checkpoint_args, for every defining value
             from ..checkpoint.load import open_megatron
             from .model_flags import check_flags_match_checkpoint
             check_flags_match_checkpoint(config, open_megatron(start.megatron_dir, start.iteration).config,
-                                         start.megatron_dir, resume=start.kind == "resume")
+                                         start.megatron_dir, resume=start.kind == "resume",
+                                         given_by=f"--hf-config {run.hf_config}" if run.hf_config else None)
     elif run.hf_model:
         config = config_of_hf(run.hf_model)
         if not start.weights_from_megatron:
