@@ -165,6 +165,34 @@ def test_bpe_trained_by_cli_loads_with_transformers(corpus, tmp_path):
     assert _read_documents(prefix + "_text_document")[0] == expected
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_blank_lines_are_skipped_with_a_warning(corpus, tmp_path, capsys, suffix):
+    """A blank (whitespace-only) line holds no document: it is skipped as datasets' json loader
+    (pyarrow.json) skips it -- Megatron-LM's preprocess_data.py fails on it -- and said in one
+    warning line per file, with the count and the first line (they were dropped without a word).
+    A file's final newline is no blank line: the plain corpus gives no warning."""
+    import gzip
+
+    import pyarrow.json
+
+    root, docs = corpus
+    lines = (root / "corpus.jsonl").read_text().splitlines(keepends=True)
+    blanky = "".join(lines[:4] + ["\n"] + lines[4:150] + ["  \t\r\n"] + lines[150:] + ["\n"])  # lines 5, 152, 304
+    path = tmp_path / f"blanky{suffix}"
+    path.write_bytes(gzip.compress(blanky.encode()) if suffix.endswith(".gz") else blanky.encode())
+    assert pyarrow.json.read_json(path).to_pylist() == docs  # the reader `datasets` uses skips them
+    base = ["preprocess", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok"),
+            "--append-eod", "--no-progress", "--workers", "2", "--partitions", "3"]
+    assert cli.main(base + ["--input", str(root / "corpus.jsonl"), "--output-prefix", str(tmp_path / "a")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert cli.main(base + ["--input", str(path), "--output-prefix", str(tmp_path / "b")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"hf-megatron preprocess: warning: {path}: skipped 3 blank lines (whitespace only, "
+                        "no document), the first at line 5"]
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"a_text_document{ext}").read_bytes() == (tmp_path / f"b_text_document{ext}").read_bytes()
+
+
 @pytest.mark.parametrize("case", ["missing_input", "bad_json", "missing_key", "missing_vocab", "bad_format"])
 def test_bad_inputs_give_one_line_errors(corpus, tmp_path, capsys, case):
     root, _ = corpus

@@ -122,6 +122,8 @@ def run(args) -> int:
         _train_tokenizer(args)
         options = dataclasses.replace(options, tokenizer_model=args.tokenizer_model)
     stats = preprocess(options)
+    for line in stats["warnings"]:
+        print(f"hf-megatron preprocess: warning: {line}", file=sys.stderr)
     for key, prefix in stats["outputs"].items():
         print(f"{key}: {prefix}.bin / .idx")
     print(f"{stats['documents']} documents, {stats['tokens']} tokens ({stats['dtype']}) in "

@@ -32,7 +32,7 @@ from .cache import check_output_folder
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
 from .hub import HF_SCHEME
-from .sources import expand_inputs, plan_chunks, read_chunk, resolve_sources
+from .sources import BlankLines, expand_inputs, plan_chunks, read_chunk, resolve_sources
 from .tokenizers import build_tokenizer
 
 BATCH_DOCS = 256
@@ -95,8 +95,9 @@ def _init_worker(options: PreprocessOptions, counters=None) -> None:
         _worker_state["report"] = report
 
 
-def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]:
-    """Tokenise chunk ``job`` into ``{part_prefix}_{key}``; returns (index, docs, bytes, tokens)."""
+def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int, BlankLines]:
+    """Tokenise chunk ``job`` into ``{part_prefix}_{key}``; returns (index, docs, bytes, tokens, the
+    blank lines skipped)."""
     index, chunk, part_prefix, dtype_name = job
     tokenizer, options = _worker_state["tokenizer"], _worker_state["options"]
     keys = options.json_keys
@@ -107,6 +108,7 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
     report = _worker_state.get("report")
     batch_docs = min(BATCH_DOCS, options.log_interval) if options.log_interval else BATCH_DOCS
     batch: list[dict] = []
+    blank_lines = BlankLines()
 
     def add(writer, ids) -> None:
         writer.add_document(ids, [len(ids)] if len(ids) else [])
@@ -133,7 +135,7 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
             reported[:] = docs, nbytes
 
     try:
-        for doc, size in read_chunk(chunk, keys, chat=options.sft):
+        for doc, size in read_chunk(chunk, keys, chat=options.sft, blank_lines=blank_lines):
             batch.append(doc)
             docs += 1
             nbytes += size
@@ -146,7 +148,7 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int]
         raise
     for writer in writers.values():
         writer.finalize()
-    return index, docs, nbytes, ntokens
+    return index, docs, nbytes, ntokens, blank_lines
 
 
 def _encode_documents(tokenizer, values: list, append_eod: bool) -> list[tuple[list[int], list[int]]]:
@@ -249,7 +251,8 @@ def check_options(options: PreprocessOptions) -> None:
 
 
 def preprocess(options: PreprocessOptions) -> dict:
-    """Run the whole preprocessing; returns counts and the output prefixes."""
+    """Run the whole preprocessing; returns counts, the output prefixes and warning lines (blank
+    lines skipped, one line per input file that has some)."""
     check_options(options)
     tokenizer = _tokenizer_of(options)  # fails fast in the main process on a bad tokenizer
     if options.sft:
@@ -288,7 +291,10 @@ def preprocess(options: PreprocessOptions) -> dict:
             results = pool.imap_unordered(_encode_chunk, jobs)
             if log is not None:
                 results = _polled(results, lambda: log.set(counters[0].value, counters[1].value))
-        for _, docs, nbytes, ntokens in results:
+        blank_lines: dict[str, BlankLines] = {}  # per input file
+        for index, docs, nbytes, ntokens, blanks in results:
+            if blanks.count:
+                blank_lines.setdefault(jobs[index][1][1], BlankLines()).merge(blanks)
             totals["documents"] += docs
             totals["bytes"] += nbytes
             totals["tokens"] += ntokens
@@ -320,7 +326,9 @@ def preprocess(options: PreprocessOptions) -> dict:
         _worker_state.pop("report", None)
         shutil.rmtree(parts_dir, ignore_errors=True)
     elapsed = time.perf_counter() - start
-    totals.update(outputs=outputs, seconds=elapsed, docs_per_s=totals["documents"] / max(elapsed, 1e-9),
+    in_input_order = sorted(blank_lines.items(), key=lambda item: paths.index(item[0]))
+    totals.update(outputs=outputs, warnings=[blanks.warning(path) for path, blanks in in_input_order], seconds=elapsed,
+                  docs_per_s=totals["documents"] / max(elapsed, 1e-9),
                   mb_per_s=totals["bytes"] / 1e6 / max(elapsed, 1e-9), dtype=dtype_name)
     return totals
 

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import zlib
+from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import DataError, DataNotFoundError
@@ -106,6 +107,41 @@ def plan_chunks(paths: list[str], min_chunks_per_file: int, target_chunk_bytes: 
     return chunks
 
 
+@dataclass
+class BlankLines:
+    """The blank (whitespace-only) lines of a JSON-lines or text input: they hold no document and are
+    skipped, as datasets' json loader (pyarrow.json) skips them -- Megatron-LM's preprocess_data.py
+    fails on one (json.loads) -- and counted, so that preprocess says so (``warning``)."""
+    count: int = 0
+    first: int | None = None  # byte offset of the first one (into the uncompressed stream of a .gz)
+
+    def add(self, position: int, count: int = 1) -> None:
+        self.count += count
+        self.first = position if self.first is None else min(self.first, position)
+
+    def merge(self, other: "BlankLines") -> None:
+        if other.count:
+            self.add(other.first, other.count)
+
+    def warning(self, path: str) -> str:
+        return (f"{path}: skipped {self.count} blank line{'s' * (self.count > 1)} (whitespace only, no document), "
+                f"the first at line {line_number(path, self.first)}")
+
+
+def line_number(path: str, position: int) -> int:
+    """The 1-based number of the line starting at byte ``position`` (for messages only: it reads the
+    file up to there)."""
+    lines, left = 1, position
+    with (gzip.open if _is_gzip(path) else open)(path, "rb") as stream:
+        while left > 0:
+            block = stream.read(min(left, 1 << 24))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            left -= len(block)
+    return lines
+
+
 def _lines(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
     if _is_gzip(path):
         try:
@@ -151,14 +187,18 @@ def _pick(record: dict, keys: list[str], where: str, chat: bool = False) -> dict
     return picked
 
 
-def read_chunk(chunk: tuple, keys: list[str], chat: bool = False) -> Iterator[tuple[dict, int]]:
+def read_chunk(chunk: tuple, keys: list[str], chat: bool = False, blank_lines: BlankLines | None = None
+               ) -> Iterator[tuple[dict, int]]:
     """Documents ``{key: text}`` of one chunk, each with its size in bytes (for MB/s); ``chat``
-    also lets a JSON list through (an SFT ``messages`` field)."""
+    also lets a JSON list through (an SFT ``messages`` field).  Blank lines of JSON-lines and text
+    files are skipped and counted in ``blank_lines`` (BlankLines says why)."""
     kind, path = chunk[0], chunk[1]
     if kind in ("json", "text"):
         for position, line in _lines(path, chunk[2], chunk[3]):
             stripped = line.strip()
             if not stripped:
+                if blank_lines is not None:
+                    blank_lines.add(position)
                 continue
             if kind == "text":
                 yield {key: line.decode("utf-8").rstrip("\r\n") for key in keys}, len(line)
