@@ -187,6 +187,33 @@ def test_changed_global_batch_size_is_refused_or_continues_by_consumed_samples(w
     assert "iteration      3/4" in out and _summary(folder)["consumed_samples"] == 2 * 4 + 2 * 8
 
 
+def test_a_resume_whose_samples_are_no_whole_number_of_new_batches_goes_on_as_megatron_lm(workspace):
+    """4 samples seen, batches of 8 now: Megatron-LM's scheduler counts samples (num_steps 4, then 12,
+    20, ...) and its sampler starts at sample 4; this was refused ('not a multiple of the global batch
+    size'). The learning rates are megatron-core's OptimizerParamScheduler's at those sample counts."""
+    import torch
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    folder = workspace / "gbs_fraction"
+    assert _train(workspace, folder, 1)[0] == 0
+    code, out, err = _train(workspace, folder, 3, "--load", folder, "--global-batch-size", 8,
+                            "--override-opt_param-scheduler")
+    assert code == 0, err
+    assert "iteration      3/3" in out and _summary(folder)["consumed_samples"] == 4 + 2 * 8
+    # the flags' schedule in samples of the new batch (warmup 1 iteration, cosine decay over 6, lr 1e-3)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    reference = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=1 * 8,
+                                        lr_decay_steps=6 * 8, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=3 * 8, wd_incr_style="constant")
+    reference.num_steps = 4  # the checkpoint's count; Megatron-LM logs the rate after each step's increment
+    expected = []
+    for _ in range(2):
+        reference.step(increment=8)
+        expected.append(optimizer.param_groups[0]["lr"])
+    assert learning_rates(out) == [f"{lr:.3e}" for lr in expected], (learning_rates(out), expected)
+    saved = torch.load(folder / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert saved["opt_param_scheduler"]["num_steps"] == 4 + 2 * 8
+
+
 def test_bad_inputs_fail_before_the_model_is_built(workspace, tmp_path):
     from tiny import tiny_config
     tiny_config("gpt2").save_pretrained(tmp_path / "gpt2")  # learned positions

@@ -84,7 +84,7 @@ class LRScheduler:
         n = self.samples_per_iter
         out = {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_iters * n,
                "lr_decay_steps": _whole(self.decay_iters * n), "lr_decay_style": self.decay_style,
-               "num_steps": self.num_steps * n}
+               "num_steps": _whole(self.num_steps * n)}
         if self.weight_decay is not None and self.train_iters is not None:
             out.update(start_wd=float(self.weight_decay), end_wd=float(self.weight_decay), wd_incr_style="constant",
                        wd_incr_steps=_whole(self.train_iters * n))
@@ -96,14 +96,15 @@ class LRScheduler:
             samples = int(state["num_steps"] if "num_steps" in state else state["num_iters"])
         except (KeyError, TypeError, ValueError):
             raise ValueError("opt_param_scheduler: expected an integer 'num_steps' entry") from None
-        if samples % self.samples_per_iter:
-            raise ValueError(f"opt_param_scheduler: num_steps={samples} samples is not a multiple of the global "
-                             f"batch size {self.samples_per_iter}")
-        self.num_steps = samples // self.samples_per_iter
+        # a resume with another global batch size may stand between two of the new batches (4 samples
+        # seen, batches of 8 now): the count goes on in fractions of an iteration, as Megatron-LM's goes
+        # on in samples
+        self.num_steps = samples // self.samples_per_iter if samples % self.samples_per_iter == 0 \
+            else samples / self.samples_per_iter
         self._apply()
 
 
 def _whole(samples):
     """A sample count as Megatron-LM stores it: an int (a --train-samples horizon is train_samples / global
     batch steps here, a float whose product with the batch is whole)."""
-    return int(round(samples)) if abs(samples - round(samples)) < 1e-9 else samples
+    return int(round(samples)) if abs(samples - round(samples)) < 1e-9 * max(1.0, abs(samples)) else samples
