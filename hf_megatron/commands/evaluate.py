@@ -121,7 +121,7 @@ def _check_sft_data(ecfg: EvalConfig) -> None:
 
 def evaluate(ecfg: EvalConfig) -> dict:
     """Collective under torchrun; every rank returns the same result."""
-    from ..data.builder import build_datasets, parse_blend
+    from ..data.builder import build_datasets, parse_data_path
     from ..errors import ConfigError, DataError
     from ..parallel import state
     from ..training.monitor import logging_rank, ppl
@@ -138,7 +138,7 @@ def evaluate(ecfg: EvalConfig) -> dict:
     check_model_fits(seq_length, model_config)  # as train: one line, before the model is built
     check_pipeline_split(cfg, model_config)
     data = " ".join(ecfg.data_path)
-    _, weights = parse_blend(ecfg.data_path if len(ecfg.data_path) > 1 else ecfg.data_path[0])
+    _, weights = parse_data_path(ecfg.data_path)
     device = init_distributed()
     from ..training import trainer
     trainer.setup_parallel(cfg)

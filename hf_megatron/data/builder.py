@@ -26,26 +26,66 @@ SPLITS = ("train", "valid", "test")
 Blend = Union[str, Sequence[str], tuple]
 
 
+BLEND_FORMS = "'prefix [prefix ...]' or 'w1 prefix1 w2 prefix2 ...' (positive blend weights and prefixes alternating)"
+
+
+def _number(item: str) -> float | None:
+    try:
+        return float(item)
+    except ValueError:
+        return None
+
+
+def _check_blend_items(items: list[str]) -> list[float] | None:
+    """The weights of a --data-path list (None: prefixes only) as megatron-core's get_blend_from_list
+    reads it -- an even list whose odd places all hold numbers alternates weight, prefix; any other is
+    prefixes -- with the lists it misreads refused in one line: a number where a prefix goes (it looks
+    for a file named "0.7"), numbers in some weight places only (an AssertionError there), a weight
+    that is not a positive number."""
+    numbers = [_number(item) for item in items]
+    in_weight_places = [number is not None for number in numbers[0::2]] if len(items) % 2 == 0 else []
+
+    def refuse(index: int, problem: str):
+        raise ConfigError(f"--data-path {' '.join(items)}: expected {BLEND_FORMS}; item {index + 1} "
+                          f"{items[index]!r} {problem}")
+
+    if in_weight_places and all(in_weight_places):
+        for k in range(0, len(items), 2):
+            if not (math.isfinite(numbers[k]) and numbers[k] > 0):
+                refuse(k, "is a weight and not a positive number")
+    elif any(in_weight_places):
+        refuse(2 * in_weight_places.index(False), f"stands in a weight's place and is not a number (item "
+                                                  f"{2 * in_weight_places.index(True) + 1} is one)")
+    hint = ("" if any(in_weight_places) else " (a weight comes before its prefix)" if in_weight_places
+            else " (an odd count of items: a weight without its prefix?)")
+    for k, number in enumerate(numbers):
+        if number is not None and (k % 2 or not any(in_weight_places)):
+            refuse(k, "is a number where a prefix goes" + hint)
+    return numbers[0::2] if any(in_weight_places) else None
+
+
 def parse_blend(blend: Blend) -> tuple[list[str], list[float] | None]:
-    """"prefix" | "w1 p1 w2 p2" | "p1 p2" | ["w1", "p1", ...] | (prefixes, weights) -> (prefixes, weights)."""
+    """"prefix" | "w1 p1 w2 p2" | "p1 p2" | ["w1", "p1", ...] | (prefixes, weights) -> (prefixes, weights);
+    a list megatron-core's get_blend_from_list reads gives what it gives, one it would read wrong is
+    refused in one line (_check_blend_items)."""
     if isinstance(blend, tuple) and len(blend) == 2 and not isinstance(blend[0], str):
         prefixes, weights = list(blend[0]), (None if blend[1] is None else [float(w) for w in blend[1]])
-    else:
-        items = blend.split() if isinstance(blend, str) else [str(b) for b in blend]
-        if not items:
-            raise DataError("--data-path / blend is empty: expected 'prefix' or 'w1 prefix1 w2 prefix2 ...'")
-        weights = None
-        if len(items) % 2 == 0:
-            try:
-                weights = [float(w) for w in items[0::2]]
-                prefixes = items[1::2]
-            except ValueError:
-                weights = None
-        if weights is None:
-            prefixes = items
-    if weights is not None and len(weights) != len(prefixes):
-        raise DataError(f"--data-path blend has {len(prefixes)} prefixes but {len(weights)} weights")
-    return [p.strip() for p in prefixes], weights
+        if weights is not None and len(weights) != len(prefixes):
+            raise ConfigError(f"blend has {len(prefixes)} prefixes but {len(weights)} weights")
+        if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ConfigError(f"blend weights {weights}: expected positive numbers")
+        return [str(p).strip() for p in prefixes], weights
+    items = blend.split() if isinstance(blend, str) else [str(b).strip() for b in blend]
+    if not items:
+        raise ConfigError(f"--data-path is empty: expected {BLEND_FORMS}")
+    weights = _check_blend_items(items)
+    return (items[1::2] if weights is not None else items), weights
+
+
+def parse_data_path(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """parse_blend of a --data-path list; one item is split at whitespace (a config file's
+    "w1 p1 w2 p2" string, or a quoted one)."""
+    return parse_blend(data_path[0] if len(data_path) == 1 else data_path)
 
 
 def split_bookends(split: str) -> list[tuple[float, float] | None]:

@@ -431,11 +431,9 @@ class RunConfig(ModelFlags):
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise ConfigError("RunConfig: --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                               "are exclusive: give one")
-        from ..data.builder import parse_blend, split_bookends
+        from ..data.builder import parse_data_path, split_bookends
         # a bad --data-path blend or --split fails here, before any model is built
-        _, weights = parse_blend(self.data_path)
-        if weights is not None and not all(w > 0 for w in weights):
-            _fail(self, "data_path", "positive blend weights in 'w1 prefix1 w2 prefix2 ...'", self.data_path)
+        parse_data_path(self.data_path)
         split_bookends(self.split)
         if self.sft_pack and not self.sft:
             raise ConfigError("RunConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
@@ -451,11 +449,11 @@ class RunConfig(ModelFlags):
         an --eval-interval over a split without a valid share (--eval-iters 0 is Megatron-LM's way to
         turn validation off: no warning for it), a --save-interval without --save, an SFT dataset (one
         with the loss mask `preprocess --sft` writes) trained without --sft (every token scored)."""
-        from ..data.builder import parse_blend
+        from ..data.builder import parse_data_path
         from ..data.indexed import idx_path
         from ..data.sft_records import loss_mask_prefix
         lines = []
-        prefixes, _ = parse_blend(self.data_path if len(self.data_path) > 1 else self.data_path[0])
+        prefixes, _ = parse_data_path(self.data_path)
         sft_data = [p for p in prefixes if os.path.isfile(idx_path(loss_mask_prefix(p)))]
         if sft_data and not self.sft:
             lines.append(f"--data-path {sft_data[0]} is an SFT dataset (it has a loss mask) trained as pretraining "
@@ -540,7 +538,8 @@ class EvalConfig:
                               f"folder or Hub id), got load={self.load!r}, hf_model={self.hf_model!r}")
         if self.sft_pack and not self.sft:
             raise ConfigError("EvalConfig.sft_pack (--sft-pack): expected --sft as well (packing applies to SFT data)")
-        from ..data.builder import split_bookends
+        from ..data.builder import parse_data_path, split_bookends
+        parse_data_path(self.data_path)  # a bad blend fails before the checkpoint is read
         if self.split is not None and split_bookends(self.split)[EVAL_SPLITS.index(self.eval_split)] is None:
             _fail(self, "split", f"a non-zero share for the {self.eval_split} split (--eval-split)", self.split)
 

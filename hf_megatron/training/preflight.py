@@ -12,7 +12,7 @@ Batch divisibility is TrainingConfig.num_micro_batches', checked when the global
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..data.builder import SPLITS, parse_blend, split_bookends
+from ..data.builder import SPLITS, parse_data_path, split_bookends
 from ..data.cache import check_output_folder
 from ..data.indexed import IndexedDataset
 from ..errors import ConfigError, DataError, ParallelConfigError
@@ -24,7 +24,7 @@ def used_splits(run: RunConfig) -> tuple[str, ...]:
 
 
 def check_data(run: RunConfig) -> None:
-    prefixes, _ = parse_blend(run.data_path if len(run.data_path) > 1 else run.data_path[0])
+    prefixes, _ = parse_data_path(run.data_path)
     bookends = split_bookends(run.split)
     if bookends[0] is None:
         raise DataError(f"--split {run.split!r}: the training split gets no share")
