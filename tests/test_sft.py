@@ -228,7 +228,10 @@ def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path, chat_to
     ([{"role": "user", "content": "hi"}], "chat.jsonl: chunk from byte 0, record 1: no assistant message"),
     ("hello", "record 1: expected a non-empty list of chat messages, got str"),
     ([{"role": "user"}], "record 1: message 0 must be an object with 'role' and 'content'"),
-], ids=["no_assistant", "not_a_list", "no_content"])
+    ([{"role": "user", "content": "hi"}, {"role": "gpt", "content": "b"}],  # was 'no assistant message'
+     "chat.jsonl: chunk from byte 0, record 1: message 1 has role 'gpt', expected one of system, developer, user, "
+     "assistant, tool, ipython, function (assistant turns are scored)"),
+], ids=["no_assistant", "not_a_list", "no_content", "unknown_role"])
 def test_bad_chat_records_are_one_line_errors(tmp_path, chat_tokenizer, capsys, messages, needle):
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     assert _chat_preprocess(tmp_path, chat_tokenizer, [good, {"messages": messages}]) == 2

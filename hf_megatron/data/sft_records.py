@@ -44,12 +44,20 @@ def encode_prompt_response(tokenizer, records: list[dict], keys: list[str], appe
     return out
 
 
+# the chat roles of OpenAI's messages and of transformers' chat templates: "assistant" turns are scored,
+# the others are context; any other name ("gpt", "bot", "model", "Assistant") would be context without a word
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
+
+
 def _check_messages(messages, where: str) -> None:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: expected a non-empty list of chat messages, got {type(messages).__name__}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: message {i} has role {message['role']!r}, expected one of "
+                            f"{', '.join(CHAT_ROLES)} (assistant turns are scored)")
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"{where}: no assistant message (nothing to score)")
 
