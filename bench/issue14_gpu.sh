@@ -55,6 +55,12 @@
 #                                             # (session 12): PyTorch's SwiGLU (inductor can fuse it with the casts)
 #                                             # instead of the csrc op, inductor's coordinate-descent tuning, max-autotune;
 #                                             # each beside ours-float8 / ours-compile in one call (~9 min; torchao wheel)
+#   STAGE=fp8-floor bash bench/issue14_gpu.sh  # session 21: per linear of the 1.2B, torchao's float8 fwd+bwd beside the
+#                                             # same GEMMs on ready float8 operands and a delayed-scaling cast scheme
+#                                             # (bench/float8_casts.py: what an own float8 linear could save), then
+#                                             # 1.2B curves of float8 with exact forward accumulation / power-of-2
+#                                             # scales (~6 min; torchao wheel)
+#   STAGE=gpu-tests bash bench/issue14_gpu.sh  # the GPU test files as a regression check (~6 min; torchao wheel)
 # Results land in $OUT (JSON + logs); the last lines printed are the tables.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -238,5 +244,18 @@ levers)
   timeout 240 python3 bench/throughput.py --lr 3e-4 --models llama-1b --compile-mode max-autotune-no-cudagraphs \
     --out "$OUT/levers_mat.json" --variants ours-float8 > "$OUT/levers_mat.txt" 2>&1
   echo "max-autotune-no-cudagraphs (rc $?):"; tail -2 "$OUT/levers_mat.txt"
+  ;;
+fp8-floor)
+  python3 bench/float8_casts.py --out "$OUT/fp8_floor.json" > "$OUT/fp8_floor.txt" 2>&1; tail -9 "$OUT/fp8_floor.txt"
+  python3 bench/loss_curves.py --out "$OUT/curves_fp8_accum.json" --options default "default (perturbed init)" \
+    "fp8-format hybrid" "fp8 no-fast-accum" "fp8 pow2-scales" > "$OUT/curves_fp8_accum.txt" 2>&1
+  tail -9 "$OUT/fp8_floor.txt"; tail -3 "$OUT/curves_fp8_accum.txt"
+  ;;
+gpu-tests)
+  timeout 540 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_adamw_kernel_gpu.py tests/test_optimizer_clip_in_kernel.py \
+    tests/test_fused_adamw_step.py tests/test_grad_buffer_fold.py tests/test_linear_loss.py tests/test_kernels_gpu.py \
+    tests/test_wgrad_fusion_gpu.py tests/test_float8.py tests/test_compile_gpu.py tests/test_deferred_steps.py \
+    tests/test_cross_entropy_gpu.py tests/test_host_syncs_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc $?"; tail -4 "$OUT/gpu_tests.log"
   ;;
 esac

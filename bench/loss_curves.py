@@ -27,6 +27,11 @@ with TrainingConfig(bf16=True) -- bf16 weights, fp32 main weights and grads -- p
     fp8 first-last-layers-bf16   fp8-format hybrid, --first-last-layers-bf16 (first and last layer in bf16)
     fp8 first-layer-bf16         the same with --num-layers-at-end-in-bf16 0 (only the first layer in bf16)
     fp8 last-layer-bf16          the same with --num-layers-at-start-in-bf16 0 (only the last layer in bf16)
+    fp8 no-fast-accum            fp8-format hybrid with torchao's forward GEMM accumulating exactly (its
+                                 default, as Transformer Engine's fprop, is cuBLAS fast accumulation: the
+                                 float8 products summed in lower precision); no CLI flag, bench only
+    fp8 pow2-scales              fp8-format hybrid with every scale rounded down to a power of two
+                                 (torchao's round_scales_to_power_of_2: scaling and unscaling exact); bench only
     all                          the three together (bench/throughput.py's ours-float8+fused-ce)
     gradient-accumulation-fusion --gradient-accumulation-fusion, when TrainingConfig has that field
                                  (Megatron-LM's name); otherwise the row says it is absent
@@ -93,6 +98,8 @@ OPTIONS = {
                              "num_layers_at_end_in_bf16": 0},
     "fp8 last-layer-bf16": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
                             "num_layers_at_start_in_bf16": 0},
+    "fp8 no-fast-accum": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "_fp8_tweak": "no-fast-accum"},
+    "fp8 pow2-scales": {"fp8_format": "hybrid", "fp8_recipe": "tensorwise", "_fp8_tweak": "pow2-scales"},
     "all": {"torch_compile": True, "cross_entropy_loss_fusion": True, "fp8_format": "hybrid"},
     "gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "torch-adamw": {"_torch_adamw": True},
@@ -144,6 +151,9 @@ def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, war
     torch's fused AdamW (MixedPrecisionOptimizer.precision_aware = False) instead of configuring."""
     fields = dict(fields)
     perturb, torch_adamw = fields.pop("_perturb", None), fields.pop("_torch_adamw", False)
+    tweak = fields.pop("_fp8_tweak", None)
+    if tweak:
+        return _with_fp8_tweak(tweak, run_option, spec, fields, data, lr, device, warmup)
     from hf_megatron.parallel import state
     from hf_megatron.training import TrainingConfig, build_model, build_optimizer, setup_parallel, train_step
     from hf_megatron.training.trainer import build_scheduler
@@ -163,6 +173,21 @@ def run_option(spec, fields: dict, data: list[dict], lr: float, device: str, war
         return [float(train_step(chunks, optimizer, scheduler, [batch])["loss"]) for batch in data]
     finally:
         state.reset()
+
+
+def _with_fp8_tweak(tweak: str, run, *args):
+    """`run(*args)` with torchao's Float8LinearConfig changed by `tweak` (see the option list)."""
+    from torchao.float8.config import Float8GemmConfig
+
+    from hf_megatron.parallel import float8
+    original = float8.torchao_config
+    changes = {"no-fast-accum": {"gemm_config_output": Float8GemmConfig(use_fast_accum=False)},
+               "pow2-scales": {"round_scales_to_power_of_2": True}}[tweak]
+    float8.torchao_config = lambda *a, **k: dataclasses.replace(original(*a, **k), **changes)
+    try:
+        return run(*args)
+    finally:
+        float8.torchao_config = original
 
 
 def run_hf(spec, precision: str, data: list[dict], lr: float, device: str, warmup: int = 2) -> list[float]:
@@ -200,7 +225,7 @@ def measure(spec, args) -> dict[str, dict]:
     results = {}
     for name in args.options:
         fields = OPTIONS[name]
-        missing = sorted(set(fields) - fields_known - {"_perturb", "_torch_adamw", "_hf"})
+        missing = sorted(set(fields) - fields_known - {"_perturb", "_torch_adamw", "_hf", "_fp8_tweak"})
         if missing:
             results[name] = {"skipped": f"TrainingConfig has no field {', '.join(missing)} on this branch"}
         else:
