@@ -18,7 +18,8 @@ SEQ = 16
 
 
 def _records(count, seed=0, poison=None):
-    """Prompt/response records whose text is token ids (NullTokenizer): ids are known exactly."""
+    """Prompt/response records whose text is token ids (NullTokenizer --vocab-size VOCAB - 1: megatron-core's
+    eod VOCAB - 1 is the tiny model's last id): ids are known exactly."""
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(count):
@@ -44,7 +45,7 @@ def _preprocess(tmp_path, name, records, *extra):
     prefix = str(tmp_path / name)
     assert cli.main(["preprocess", "--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix", prefix,
                      "--json-keys", "prompt", "response", "--sft", "--tokenizer-type", "NullTokenizer",
-                     "--vocab-size", str(VOCAB), "--append-eod", "--no-progress", *extra]) == 0
+                     "--vocab-size", str(VOCAB - 1), "--append-eod", "--no-progress", *extra]) == 0
     return prefix + "_sft_document"
 
 
@@ -88,7 +89,7 @@ def test_preprocess_cli_writes_tokens_and_mask_megatron_core_reads(tmp_path):
     prefix = str(tmp_path / "out" / "sft")
     done = subprocess.run([sys.executable, "-m", "hf_megatron.cli", "preprocess", "--input", str(tmp_path / "sft.jsonl"),
                            "--output-prefix", prefix, "--json-keys", "prompt", "response", "--sft",
-                           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--append-eod",
+                           "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1), "--append-eod",
                            "--workers", "2", "--partitions", "3"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     tokens, mask = McoreIndexed(prefix + "_sft_document"), McoreIndexed(prefix + "_sft_document_loss_mask")

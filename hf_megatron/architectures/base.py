@@ -288,7 +288,10 @@ class MegatronArgs:
         self.num_layers = self.get("num_layers")
         self.hidden = self.get("hidden_size")
         self.heads = self.get("num_attention_heads")
-        self.vocab = vocab_size or self.get("vocab_size") or self.get("padded_vocab_size")
+        stated = self.get("vocab_size")
+        if stated and self.get("tokenizer_type") == "NullTokenizer":
+            stated += 1  # args.vocab_size is --vocab-size N; megatron-core's NullTokenizer adds its eod N
+        self.vocab = vocab_size or stated or self.get("padded_vocab_size")
         if not self.vocab:
             raise ConfigError("checkpoint args lack padded_vocab_size; pass the vocabulary size")
         self.ffn = self.get("ffn_hidden_size") or 4 * self.hidden

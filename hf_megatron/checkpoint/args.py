@@ -112,6 +112,12 @@ def megatron_lm_rope_difference(c: ModelConfig) -> str | None:
     return "llama3 " + ", ".join(other) if other else None
 
 
+def null_tokenizer_eod(tokenizer_type: str | None) -> int:
+    """1 for NullTokenizer, else 0: Megatron-LM's args.vocab_size is its --vocab-size N, and
+    megatron-core's NullTokenizer makes that N + 1 ids (its eod is N) -- the vocabulary it pads."""
+    return int(tokenizer_type == "NullTokenizer")
+
+
 _Value = Callable[[ModelConfig, Layout], Any]
 # Megatron-LM argument name -> its value for a model config and a layout
 FIELDS: dict[str, _Value] = {
@@ -128,7 +134,7 @@ FIELDS: dict[str, _Value] = {
     "seq_length": _seq_length,
     "encoder_seq_length": _seq_length,
     # ---- vocabulary (padded rows are in the embedding / output tensors)
-    "vocab_size": lambda c, l: c.vocab_size,
+    "vocab_size": lambda c, l: c.vocab_size - null_tokenizer_eod(l.tokenizer.get("tokenizer_type")),
     "padded_vocab_size": lambda c, l: c.padded_vocab_size(l.tp),
     "make_vocab_size_divisible_by": lambda c, l: c.make_vocab_size_divisible_by,
     # ---- positions
@@ -222,7 +228,8 @@ def tokenizer_args(folder: str | Path | None, location: str | Path | None = None
         tokenizer.model alone (no transformers files; its kind in megatron_tokenizer.json)
                                     that SentencePiece kind, tokenizer_model = the .model file
         any other HF tokenizer      HuggingFaceTokenizer, tokenizer_model = the folder
-        none                        NullTokenizer (Megatron-LM's "ids only"; it reads vocab_size)
+        none                        NullTokenizer (Megatron-LM's "ids only"; it reads vocab_size N,
+                                    which FIELDS writes as the model's vocabulary - 1: eod is N)
     """
     folder = Path(folder) if folder else None
     if folder is None or not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -281,13 +288,15 @@ def _same(stored: Any, expected: Any) -> bool:
 def check_args_agree(args: Any, config: ModelConfig) -> None:
     """A model argument stored beside `hf_config` must say what hf_config says: the model is built
     from hf_config, so an edited `args.rotary_base` (say) would otherwise be silently ignored."""
-    layout = Layout()
+    layout = Layout(tokenizer={"tokenizer_type": _get(args, "tokenizer_type")})
     names = [*RESTATED, *(name for name, applies in RESTATED_IF.items() if applies(config))]
     for name in names:
         stored = _get(args, name)
         if stored is None:
             continue
         expected = FIELDS[name](config, layout)
+        if name == "vocab_size" and _same(stored, config.vocab_size):
+            continue  # NullTokenizer checkpoints hf_megatron wrote before following megatron-core's eod
         if not _same(stored, expected):
             raise ConfigError(f"args.{name}={stored!r} contradicts args.hf_config, which makes it {expected!r} "
                               f"(the model is built from hf_config); make them agree")

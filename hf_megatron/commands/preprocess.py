@@ -46,7 +46,8 @@ def add_parser(subparsers) -> None:
     group.add_argument("--tokenizer-model", help="tokenizer dir / Hub id, or SentencePiece .model")
     group.add_argument("--vocab-file", help="GPT-2 vocab.json")
     group.add_argument("--merge-file", help="GPT-2 merges.txt")
-    group.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary, or size to train")
+    group.add_argument("--vocab-size", type=int, help="NullTokenizer: ids 0..N-1, eod N (megatron-core's); or the "
+                                                      "size to train")
     group.add_argument("--append-eod", action="store_true", help="append the end-of-document token")
     group.add_argument("--train-tokenizer", choices=["bpe", "sentencepiece"],
                        help="train a new tokenizer on the input first, saved at --tokenizer-model")

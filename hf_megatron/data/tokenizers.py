@@ -9,7 +9,8 @@ token dtype); ``HFTokenizer`` also renders chat templates for SFT (sft_records.p
 * ``GPT2BPETokenizer``      --vocab-file vocab.json --merge-file merges.txt
 * ``SentencePieceTokenizer`` / ``GPTSentencePieceTokenizer``  --tokenizer-model x.model
 * ``Llama2Tokenizer``       --tokenizer-model x.model (SentencePiece with BOS prepended)
-* ``NullTokenizer``         text is already whitespace-separated ids; --vocab-size N, eod = N-1
+* ``NullTokenizer``         text is already whitespace-separated ids; --vocab-size N: ids 0..N-1, eod = N,
+  vocab_size = N + 1 (megatron-core's NullTokenizer)
 
 ``train_bpe_tokenizer`` / ``train_sentencepiece_tokenizer`` make a new one from a corpus.
 """
@@ -95,18 +96,23 @@ class SentencePieceTokenizer:
 
 
 class NullTokenizer:
+    """megatron-core's NullTokenizer (megatron/core/tokenizers/text/libraries/null_tokenizer.py): for
+    ``--vocab-size N`` the ids are 0..N-1, the end-of-document id is N, and ``vocab_size`` -- what
+    the .bin dtype and the model's vocabulary (padded as Megatron-LM pads) are chosen for -- is N + 1."""
+
     def __init__(self, vocab_size: int):
-        self.vocab_size = int(vocab_size)
-        self.eod = self.vocab_size - 1
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = int(vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
-        """Space-separated token ids, each in [0, vocab_size)."""
+        """Space-separated token ids, each in [0, vocab_size) (eod included)."""
         try:
             ids = [int(t) for t in text.split()]
         except ValueError:
             raise DataError(f"NullTokenizer: expected space-separated token ids, got {text[:40]!r}") from None
         if any(not 0 <= i < self.vocab_size for i in ids):
-            raise DataError(f"NullTokenizer: a token id of {text[:40]!r} is outside [0, {self.vocab_size}) (--vocab-size)")
+            raise DataError(f"NullTokenizer: a token id of {text[:40]!r} is outside [0, {self.eod}] (--vocab-size "
+                            f"{self.eod}: ids 0..{self.eod - 1} and the eod {self.eod})")
         return ids
 
     def tokenize_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

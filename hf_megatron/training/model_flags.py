@@ -16,9 +16,11 @@ RMSNorm + RoPE + SwiGLU = Llama (Qwen2 with --add-qkv-bias --disable-bias-linear
 
 Differences, each stated: --max-position-embeddings defaults to --seq-length (Megatron-LM requires
 it); the vocabulary is --vocab-size, else the size of --tokenizer-model's tokenizer (Megatron-LM
-takes it from its --tokenizer-type / --tokenizer-model), padded to a multiple of 128 as the
-model's padded_vocab_size.  The model is then an ordinary transformers config: the checkpoint
-records it, `convert megatron-to-hf` writes it, and a resumed run needs none of these flags.
+takes it from its --tokenizer-type / --tokenizer-model; with --tokenizer-type NullTokenizer it is
+N + 1 for --vocab-size N, as megatron-core's NullTokenizer adds its eod N), padded to a multiple
+of 128 as the model's padded_vocab_size.  The model is then an ordinary transformers config: the
+checkpoint records it, `convert megatron-to-hf` writes it, and a resumed run needs none of these
+flags.
 """
 from __future__ import annotations
 
@@ -68,7 +70,8 @@ class ModelFlags:
     untie_embeddings_and_output_weights: bool = option(False, group=GROUP,
                                                        help="an output layer of its own (default: tied)")
     vocab_size: int | None = option(None, group=GROUP, at_least=1,
-                                    help="vocabulary (default: the size of --tokenizer-model's tokenizer)")
+                                    help="vocabulary (default: the size of --tokenizer-model's tokenizer); with "
+                                         "--tokenizer-type NullTokenizer N + 1 rows, its eod being id N")
 
     def model_flags_given(self) -> list[str]:
         """The model flags set away from their defaults, as flags."""
@@ -103,6 +106,8 @@ class ModelFlags:
         if ffn is None:
             ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if self.swiglu else 4 * self.hidden_size
         vocab = self.vocab_size or vocab_size
+        if self.vocab_size and getattr(self, "tokenizer_type", None) == "NullTokenizer":
+            vocab = self.vocab_size + 1  # megatron-core's NullTokenizer: ids 0..N-1 and its eod N
         if not vocab:
             raise ConfigError("RunConfig.vocab_size (--vocab-size): the model flags need the vocabulary: give "
                               "--vocab-size N or --tokenizer-model with a tokenizer")
@@ -155,7 +160,7 @@ def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume
     loads (a same-shaped contradiction, as 8 heads for 4 -- qkv keeps its shape -- would otherwise load
     and train another model)."""
     from ..checkpoint.args import FIELDS, Layout
-    layout = Layout()
+    layout = Layout(tokenizer={})  # vocab_size compared as the model's vocabulary, whatever the tokenizer
     rope = "rope" in (flags_config.position_embedding_type, checkpoint_config.position_embedding_type)
     for name, flag in DEFINING.items():
         if (name in ROPE_ONLY and not rope) or (not resume and name in FINETUNE_MAY_CHANGE):
