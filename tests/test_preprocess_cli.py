@@ -202,9 +202,9 @@ def test_bad_inputs_give_one_line_errors(corpus, tmp_path, capsys, case):
         source, needle = str(tmp_path / "nope.jsonl"), "nope.jsonl: input not found"
     elif case == "bad_json":
         (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"text": broken\n')
-        source, needle = str(tmp_path / "bad.jsonl"), "bad.jsonl: byte 15: invalid JSON"
+        source, needle = str(tmp_path / "bad.jsonl"), "bad.jsonl:2: invalid JSON"
     elif case == "missing_key":
-        extra, needle = ["--json-keys", "body"], "corpus.jsonl: byte 0: no field 'body'"
+        extra, needle = ["--json-keys", "body"], "corpus.jsonl:1: no field 'body'"
     elif case == "missing_vocab":
         extra, needle = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tmp_path / "v.json"),
                          "--merge-file", "m.txt"], "v.json: GPT-2 vocab.json not found"

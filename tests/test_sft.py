@@ -226,11 +226,11 @@ def test_chat_messages_mask_equals_transformers_assistant_mask(tmp_path, chat_to
 
 
 @pytest.mark.parametrize("messages, needle", [
-    ([{"role": "user", "content": "hi"}], "chat.jsonl: chunk from byte 0, record 1: no assistant message"),
-    ("hello", "record 1: expected a non-empty list of chat messages, got str"),
-    ([{"role": "user"}], "record 1: message 0 must be an object with 'role' and 'content'"),
+    ([{"role": "user", "content": "hi"}], "chat.jsonl:2: no assistant message"),
+    ("hello", "chat.jsonl:2: expected a non-empty list of chat messages, got str"),
+    ([{"role": "user"}], "chat.jsonl:2: message 0 must be an object with 'role' and 'content'"),
     ([{"role": "user", "content": "hi"}, {"role": "gpt", "content": "b"}],  # was 'no assistant message'
-     "chat.jsonl: chunk from byte 0, record 1: message 1 has role 'gpt', expected one of system, developer, user, "
+     "chat.jsonl:2: message 1 has role 'gpt', expected one of system, developer, user, "
      "assistant, tool, ipython, function (assistant turns are scored)"),
 ], ids=["no_assistant", "not_a_list", "no_content", "unknown_role"])
 def test_bad_chat_records_are_one_line_errors(tmp_path, chat_tokenizer, capsys, messages, needle):
@@ -239,6 +239,31 @@ def test_bad_chat_records_are_one_line_errors(tmp_path, chat_tokenizer, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert needle in err[-1], err
     assert not [p for p in os.listdir(tmp_path) if p.startswith("chat_")]  # nothing half-written
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+@pytest.mark.parametrize("bad, needle", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+    ({"text": "hi"}, "no field 'messages'"),
+], ids=["chat", "missing_key"])
+def test_bad_record_error_names_its_line_past_the_first_chunk(tmp_path, chat_tokenizer, capsys, suffix, bad, needle):
+    """`file:line:` with the line an editor shows (blank lines counted; a .gz's line in its decompressed
+    text) for a record that is not in the file's first chunk (--workers 2 cuts a .jsonl in 8 by bytes; the
+    bad record's chunk holds the blank line before it, which is no record; a .gz is one chunk)."""
+    import gzip
+
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    lines = [good] * 9 + [""] + [good] * 59 + ["  "] + [json.dumps(bad)] + [good] * 20  # bad on line 71
+    text = "\n".join(lines) + "\n"
+    path = tmp_path / f"chat{suffix}"
+    path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    assert len("\n".join(lines[:70])) > len(text) // 4  # well past the first chunk
+    argv = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "o"), "--sft", "--json-keys",
+            "messages", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(chat_tokenizer),
+            "--no-progress", "--workers", "2", "--partitions", "4"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: {path}:71: {needle}" in err[-1], err
 
 
 def test_train_cli_sft_first_loss_and_validation_are_response_only(tmp_path):

@@ -32,7 +32,7 @@ from .cache import check_output_folder
 from .indexed import IndexedDatasetWriter, optimal_dtype
 from .sft_records import check_sft_keys, encode_sft_batch, loss_mask_prefix
 from .hub import HF_SCHEME
-from .sources import BlankLines, expand_inputs, plan_chunks, read_chunk, resolve_sources
+from .sources import BlankLines, expand_inputs, plan_chunks, read_chunk, record_place, resolve_sources
 from .tokenizers import build_tokenizer
 
 BATCH_DOCS = 256
@@ -116,10 +116,9 @@ def _encode_chunk(job: tuple[int, tuple, str, str]) -> tuple[int, int, int, int,
     def flush():
         nonlocal ntokens
         if options.sft:
-            unit = "byte" if chunk[0] in ("json", "text") else "row"
-            source = getattr(chunk[1], "name", chunk[1])  # a path, or a HubSource's name
+            first = docs - len(batch)  # the batch's first document in the chunk
             encoded = encode_sft_batch(tokenizer, batch, keys, options.append_eod,
-                                       f"{source}: chunk from {unit} {chunk[2]}", docs - len(batch))
+                                       lambda i: record_place(chunk, first + i))
             for ids, mask in encoded:
                 add(writers[SFT_NAME], ids)
                 add(writers[SFT_MASK], mask)

@@ -20,6 +20,8 @@ Two record shapes (``hf-megatron preprocess --sft``):
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..errors import DataError
@@ -49,21 +51,22 @@ def encode_prompt_response(tokenizer, records: list[dict], keys: list[str], appe
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
 
 
-def _check_messages(messages, where: str) -> None:
+def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: expected a non-empty list of chat messages, got {type(messages).__name__}")
+        raise DataError(f"expected a non-empty list of chat messages, got {type(messages).__name__}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise DataError(f"{where}: message {i} must be an object with 'role' and 'content'")
+            raise DataError(f"message {i} must be an object with 'role' and 'content'")
         if message["role"] not in CHAT_ROLES:
-            raise DataError(f"{where}: message {i} has role {message['role']!r}, expected one of "
+            raise DataError(f"message {i} has role {message['role']!r}, expected one of "
                             f"{', '.join(CHAT_ROLES)} (assistant turns are scored)")
     if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(f"{where}: no assistant message (nothing to score)")
+        raise DataError("no assistant message (nothing to score)")
 
 
-def assistant_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the character spans of its assistant turns (module docstring)."""
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the character spans of its assistant turns (module docstring); a
+    DataError says what is wrong, the caller says which record."""
     full = tokenizer.render_chat(messages)
     spans = []
     for k, message in enumerate(messages):
@@ -76,10 +79,10 @@ def assistant_spans(tokenizer, messages: list[dict], where: str) -> tuple[str, l
                       tokenizer.render_chat(messages[:k])]
         start = next((len(s) for s in starts if upto.startswith(s)), 0 if not k else None)
         if start is None:
-            raise DataError(f"{where}: the chat template does not render turns incrementally (adding message {k} "
+            raise DataError(f"the chat template does not render turns incrementally (adding message {k} "
                             "changes the text of the messages before it), so assistant tokens cannot be located")
         if not full.startswith(upto):
-            raise DataError(f"{where}: the chat template does not render turns incrementally (the text of messages "
+            raise DataError(f"the chat template does not render turns incrementally (the text of messages "
                             f"0..{k} changes when later messages are added), so assistant tokens cannot be located")
         spans.append((start, len(upto)))
     return full, spans
@@ -95,18 +98,24 @@ def check_sft_keys(tokenizer, keys: list[str]) -> None:
                         "chat template (--tokenizer-type HuggingFaceTokenizer; this one has none)")
 
 
-def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, where: str, first: int = 0
+def _render_chat(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
+    _check_messages(messages)
+    try:
+        return assistant_spans(tokenizer, messages)
+    except DataError:
+        raise
+    except Exception as exc:  # the template itself raised (jinja errors, raise_exception(...))
+        raise DataError(f"chat template failed ({exc})".splitlines()[0]) from None
+
+
+def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, place: Callable[[int], str]
                 ) -> list[tuple[list[int], np.ndarray]]:
     rendered = []
     for i, record in enumerate(records):
-        place = f"{where}, record {first + i}"
-        _check_messages(record[key], place)
         try:
-            rendered.append(assistant_spans(tokenizer, record[key], place))
-        except DataError:
-            raise
-        except Exception as exc:  # the template itself raised (jinja errors, raise_exception(...))
-            raise DataError(f"{place}: chat template failed ({exc})".splitlines()[0]) from None
+            rendered.append(_render_chat(tokenizer, record[key]))
+        except DataError as exc:
+            raise DataError(f"{place(i)}: {exc}") from None
     ids_list, offsets_list = tokenizer.tokenize_with_offsets([text for text, _ in rendered])
     out = []
     for ids, offsets, (_, spans) in zip(ids_list, offsets_list, rendered):
@@ -120,10 +129,10 @@ def encode_chat(tokenizer, records: list[dict], key: str, append_eod: bool, wher
     return out
 
 
-def encode_sft_batch(tokenizer, records: list[dict], keys: list[str], append_eod: bool, where: str,
-                     first: int = 0) -> list[tuple[list[int], np.ndarray]]:
+def encode_sft_batch(tokenizer, records: list[dict], keys: list[str], append_eod: bool,
+                     place: Callable[[int], str]) -> list[tuple[list[int], np.ndarray]]:
     """(ids, loss mask) per record, for two keys (prompt, response) or one (chat messages);
-    ``where``/``first`` name the records in errors."""
+    ``place(i)`` names ``records[i]`` in an error (called only then)."""
     if len(keys) == 2:
         return encode_prompt_response(tokenizer, records, keys, append_eod)
-    return encode_chat(tokenizer, records, keys[0], append_eod, where, first)
+    return encode_chat(tokenizer, records, keys[0], append_eod, place)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import itertools
 import json
 import os
 import sys
@@ -168,22 +169,25 @@ def _lines(path: str, start: int, stop: int) -> Iterator[tuple[int, bytes]]:
             yield position, line
 
 
-def _pick(record: dict, keys: list[str], where: str, chat: bool = False) -> dict:
+def _pick(line: bytes, keys: list[str], chat: bool = False) -> dict:
+    """The ``keys`` fields of one JSON line; a DataError says what is wrong, the caller says where."""
+    try:
+        record = json.loads(line)
+    except ValueError as exc:
+        raise DataError(f"invalid JSON line ({exc})") from None
     try:
         picked = {key: record[key] for key in keys}
     except KeyError as exc:
-        raise DataError(f"{where}: no field {exc.args[0]!r} (have {sorted(record)[:10]}); "
-                         "set --json-keys") from None
+        raise DataError(f"no field {exc.args[0]!r} (have {sorted(record)[:10]}); set --json-keys") from None
     except TypeError:
-        raise DataError(f"{where}: expected a JSON object per line") from None
+        raise DataError("expected a JSON object per line") from None
     for key, value in picked.items():  # null, numbers, lists would be tokenised as their repr ("None")
         if chat and isinstance(value, list):
             continue  # SFT chat messages: sft_records checks their structure
         if isinstance(value, list) and all(isinstance(part, str) for part in value):
             continue  # sentences of one document, as Megatron-LM's Encoder.encode takes them
         if not isinstance(value, str):
-            raise DataError(f"{where}: field {key!r} is {json.dumps(value)[:40]}, expected a string "
-                            "or a list of strings")
+            raise DataError(f"field {key!r} is {json.dumps(value)[:40]}, expected a string or a list of strings")
     return picked
 
 
@@ -204,10 +208,10 @@ def read_chunk(chunk: tuple, keys: list[str], chat: bool = False, blank_lines: B
                 yield {key: line.decode("utf-8").rstrip("\r\n") for key in keys}, len(line)
                 continue
             try:
-                record = json.loads(stripped)
-            except ValueError as exc:
-                raise DataError(f"{path}: byte {position}: invalid JSON line ({exc})") from None
-            yield _pick(record, keys, f"{path}: byte {position}", chat), len(line)
+                picked = _pick(stripped, keys, chat)
+            except DataError as exc:
+                raise DataError(f"{path}:{line_number(path, position)}: {exc}") from None
+            yield picked, len(line)
     elif kind in ("hub", "hub_stream"):
         for columns in hub_column_batches(chunk, keys):
             yield from _column_documents(columns, keys)
@@ -220,6 +224,21 @@ def read_chunk(chunk: tuple, keys: list[str], chat: bool = False, blank_lines: B
             raise DataError(f"{path}: no column {missing[0]!r} (have {parquet.schema_arrow.names}); set --json-keys")
         for batch in parquet.iter_batches(row_groups=range(chunk[2], chunk[3]), columns=keys):
             yield from _column_documents({k: batch.column(k).to_pylist() for k in keys}, keys)
+
+
+def record_place(chunk: tuple, index: int) -> str:
+    """How an error names document ``index`` (0-based, as read_chunk yields them) of ``chunk``:
+    ``file:line`` for a JSON-lines or text input (1-based, blank lines counted; a .gz's line in its
+    decompressed text), else the chunk's start and the index.  The file is read again to find the
+    line, so call it only when reporting an error."""
+    kind, source = chunk[0], chunk[1]
+    if kind in ("json", "text"):
+        records = (position for position, line in _lines(source, chunk[2], chunk[3]) if line.strip())
+        position = next(itertools.islice(records, index, None), None)
+        if position is not None:
+            return f"{source}:{line_number(source, position)}"
+    unit = "byte" if kind in ("json", "text") else "row"
+    return f"{getattr(source, 'name', source)}: chunk from {unit} {chunk[2]}, record {index}"
 
 
 def _column_documents(columns: dict[str, list], keys: list[str]) -> Iterator[tuple[dict, int]]:
