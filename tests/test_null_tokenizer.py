@@ -4,6 +4,7 @@ eod --append-eod writes, the ids accepted, the .bin dtype), train (the model's v
 padded as Megatron-LM pads it; the checkpoint's args) and conversion of a checkpoint whose args are
 Megatron-LM's alone."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -108,3 +109,43 @@ def test_args_vocab_size_of_a_null_tokenizer_checkpoint_is_its_vocab_size_flag(t
     with pytest.raises(Exception, match=rf"args.vocab_size={VOCAB + 1} contradicts args.hf_config, which makes it "
                                         rf"{VOCAB - 1}"):
         config_from_args(build_args(config, Layout(), vocab_size=VOCAB + 1))
+
+
+def test_train_with_an_hf_config_takes_the_null_tokenizers_vocab_size(tmp_path):
+    """With --hf-config giving the model, --vocab-size N is the NullTokenizer's (Megatron-LM's meaning), not a
+    model flag: accepted when its N + 1 ids fit the config's vocab_size (here N + 1 == VOCAB), which stays the
+    model's vocabulary."""
+    from tiny import VOCAB
+
+    root = make_workspace(tmp_path, documents=60)  # token ids 1..VOCAB - 1
+    code, out, err = cli_inprocess(*base_args(root, 1, "--tokenizer-type", "NullTokenizer", "--vocab-size", VOCAB - 1,
+                                              "--save", root / "run", "--no-checkpoint-checksums"))
+    assert code == 0, err[-3000:]
+    assert re.search(rf"\n  vocab_size \.+ {VOCAB - 1}\n", out), out  # printed with the arguments
+    payload = safe_load(root / "run" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt")
+    assert (payload["args"].tokenizer_type, payload["args"].vocab_size) == ("NullTokenizer", VOCAB - 1)
+    assert payload["args"].hf_config["vocab_size"] == VOCAB
+
+
+@pytest.mark.parametrize("source", ["--hf-config", "--hf-model"])
+def test_train_refuses_a_null_tokenizer_larger_than_the_models_vocabulary_in_one_line(tmp_path, source):
+    from tiny import VOCAB, tiny_hf_model
+    from train_cli import error_line
+
+    root = make_workspace(tmp_path, documents=60)
+    if source == "--hf-model":
+        tiny_hf_model("llama").save_pretrained(root / "config")
+    line = error_line(cli_inprocess(*base_args(root, 1, source, root / "config", "--tokenizer-type", "NullTokenizer",
+                                               "--vocab-size", VOCAB, config=False)))
+    assert line.endswith(f"--vocab-size {VOCAB}: --tokenizer-type NullTokenizer's ids 0..{VOCAB} (eod {VOCAB}) do not "
+                         f"fit the model's vocab_size {VOCAB} ({source} {root / 'config'}); expected --vocab-size at "
+                         f"most {VOCAB - 1}"), line
+
+
+def test_vocab_size_with_an_hf_config_is_still_a_model_flag_without_null_tokenizer(tmp_path):
+    from tiny import VOCAB
+    from train_cli import error_line
+
+    root = make_workspace(tmp_path, documents=60)
+    line = error_line(cli_inprocess(*base_args(root, 1, "--vocab-size", VOCAB - 1)))
+    assert "the model flags --vocab-size need --num-layers, --hidden-size, --num-attention-heads" in line, line

@@ -18,7 +18,9 @@ Differences, each stated: --max-position-embeddings defaults to --seq-length (Me
 it); the vocabulary is --vocab-size, else the size of --tokenizer-model's tokenizer (Megatron-LM
 takes it from its --tokenizer-type / --tokenizer-model; with --tokenizer-type NullTokenizer it is
 N + 1 for --vocab-size N, as megatron-core's NullTokenizer adds its eod N), padded to a multiple
-of 128 as the model's padded_vocab_size.  The model is then an ordinary transformers config: the
+of 128 as the model's padded_vocab_size.  With NullTokenizer and no other model flag, --vocab-size is the
+tokenizer's alone, as in Megatron-LM (the model is --hf-config / --hf-model / a checkpoint, whose
+vocabulary must hold the N + 1 ids).  The model is then an ordinary transformers config: the
 checkpoint records it, `convert megatron-to-hf` writes it, and a resumed run needs none of these
 flags.
 """
@@ -71,12 +73,24 @@ class ModelFlags:
                                                        help="an output layer of its own (default: tied)")
     vocab_size: int | None = option(None, group=GROUP, at_least=1,
                                     help="vocabulary (default: the size of --tokenizer-model's tokenizer); with "
-                                         "--tokenizer-type NullTokenizer N + 1 rows, its eod being id N")
+                                         "--tokenizer-type NullTokenizer N + 1 rows, its eod being id N (beside --hf-config / "
+                                         "--hf-model: the NullTokenizer's size only, N + 1 within the model's)")
+
+    def _flags_set(self) -> list[str]:
+        defaults = ModelFlags.__dataclass_fields__
+        return [name for name in defaults if getattr(self, name) != defaults[name].default]
+
+    def null_tokenizer_vocab_size(self) -> int | None:
+        """--vocab-size N when, as in Megatron-LM, it only sizes --tokenizer-type NullTokenizer (ids 0..N-1,
+        eod N): no other model flag is given, so the model comes from --hf-config / --hf-model / a checkpoint,
+        whose vocabulary must hold the N + 1 ids (preflight.check_null_tokenizer_fits); else None."""
+        if getattr(self, "tokenizer_type", None) == "NullTokenizer" and self._flags_set() == ["vocab_size"]:
+            return self.vocab_size
+        return None
 
     def model_flags_given(self) -> list[str]:
-        """The model flags set away from their defaults, as flags."""
-        defaults = ModelFlags.__dataclass_fields__
-        return [flag_of(name) for name in defaults if getattr(self, name) != defaults[name].default]
+        """The model flags set away from their defaults, as flags (not a NullTokenizer's lone --vocab-size)."""
+        return [] if self.null_tokenizer_vocab_size() else [flag_of(name) for name in self._flags_set()]
 
     def check_model_flags(self) -> bool:
         """True when the model comes from these flags; one-line ConfigError when they are incomplete or

@@ -160,6 +160,8 @@ class Monitor:
         from them (with --hf-config / --hf-model / --load their defaults describe nothing that runs)."""
         from .model_flags import ModelFlags
         shape = set() if self.run.model_flags_given() else {f.name for f in dataclasses.fields(ModelFlags)}
+        if self.run.null_tokenizer_vocab_size():
+            shape.discard("vocab_size")  # the NullTokenizer's size
         return {f.name: getattr(c, f.name) for c in (self.cfg, self.run) for f in dataclasses.fields(c)
                 if f.name not in shape}
 

@@ -6,6 +6,7 @@ minutes a large model takes to load), on every rank alike, each failing with one
   worth of tokens from every prefix -- the test split is never read by `train`, so it is not checked
   (nor built);
 * --seq-length fits a model with learned absolute positions (rotary models extrapolate);
+* a NullTokenizer's --vocab-size N beside --hf-config / --hf-model: its N + 1 ids fit the model's vocabulary;
 * --save, --tensorboard-dir and --data-cache-path can be folders (no file on their path, writable).
 Batch divisibility is TrainingConfig.num_micro_batches', checked when the global batch is computed.
 """
@@ -47,6 +48,18 @@ def check_model_fits(seq_length: int, config: ModelConfig) -> None:
     if config.position_embedding_type == "learned_absolute" and seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length}: expected at most the model's {config.max_position_embeddings} "
                           "positions (max_position_embeddings / n_positions of its config)")
+
+
+def check_null_tokenizer_fits(run, config: ModelConfig) -> None:
+    """`train --tokenizer-type NullTokenizer --vocab-size N` with the model from --hf-config / --hf-model / a
+    checkpoint: the tokenizer's N + 1 ids (its eod is N) within the model's vocabulary."""
+    size = run.null_tokenizer_vocab_size()
+    if size is not None and size + 1 > config.vocab_size:
+        source = (f"--hf-config {run.hf_config}" if run.hf_config else f"--hf-model {run.hf_model}" if run.hf_model
+                  else "the checkpoint's config")
+        raise ConfigError(f"--vocab-size {size}: --tokenizer-type NullTokenizer's ids 0..{size} (eod {size}) do not "
+                          f"fit the model's vocab_size {config.vocab_size} ({source}); expected --vocab-size at most "
+                          f"{config.vocab_size - 1}")
 
 
 def check_pipeline_split(cfg, config: ModelConfig) -> None:

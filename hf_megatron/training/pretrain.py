@@ -97,7 +97,8 @@ def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
 
 def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     """Everything that can fail without a model, then the model: (cfg, start, source, device, gbs)."""
-    from .preflight import check_data, check_model_fits, check_output_folders, check_pipeline_split
+    from .preflight import (check_data, check_model_fits, check_null_tokenizer_fits, check_output_folders,
+                            check_pipeline_split)
     from .start import model_source, plan_start
     check_output_folders(run)
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
@@ -109,6 +110,7 @@ def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     check_data(run)
     source, model_config = model_source(run, start)
     check_model_fits(run.seq_length, model_config)
+    check_null_tokenizer_fits(run, model_config)
     check_pipeline_split(cfg, model_config)
     device = init_distributed(run.distributed_backend)
     trainer.setup_parallel(cfg)
