@@ -246,8 +246,8 @@ levers)
   echo "max-autotune-no-cudagraphs (rc $?):"; tail -2 "$OUT/levers_mat.txt"
   ;;
 fp8-floor)
-  python3 bench/float8_casts.py --out "$OUT/fp8_floor.json" > "$OUT/fp8_floor.txt" 2>&1; tail -9 "$OUT/fp8_floor.txt"
-  python3 bench/loss_curves.py --out "$OUT/curves_fp8_accum.json" --options default "default (perturbed init)" \
+  timeout 150 python3 bench/float8_casts.py --out "$OUT/fp8_floor.json" > "$OUT/fp8_floor.txt" 2>&1; tail -9 "$OUT/fp8_floor.txt"
+  timeout 330 python3 bench/loss_curves.py --out "$OUT/curves_fp8_accum.json" --options default \
     "fp8-format hybrid" "fp8 no-fast-accum" "fp8 pow2-scales" > "$OUT/curves_fp8_accum.txt" 2>&1
   tail -9 "$OUT/fp8_floor.txt"; tail -3 "$OUT/curves_fp8_accum.txt"
   ;;
