@@ -17,6 +17,7 @@ examples/by_feature/megatron_lm_gpt_pretraining.py runs unchanged):
 Modules: accelerator.py (the class), engine.py (the prepared model), plugin.py (MegatronLMPlugin
 and MegatronLMDummyScheduler -> our config), loaders.py, batches.py, logits.py, param_groups.py,
 weights.py (full HF-named weights), state_io.py (save_state / load_state), wrappers.py,
+metrics.py (gather / gather_for_metrics / reduce), clipping.py (clip_grad_norm_ between updates),
 user_errors.py (one-line errors in the accelerate config's names).
 """
 from .accelerator import Accelerator

@@ -12,7 +12,8 @@ it behaves as accelerate documents its Megatron-LM integration:
   and dp-sharded DataLoaders (loaders.py).
 * `save_state` / `load_state`: a Megatron-LM checkpoint (state.py); `save_model`,
   `get_state_dict`, `unwrap_model`: full weights under transformers' names (weights.py).
-* `gather` / `gather_for_metrics` / `reduce` run over the data-parallel group.
+* `gather` / `gather_for_metrics` / `reduce` run over the data-parallel group (metrics.py);
+  `clip_grad_norm_` after a batch that only accumulated is plain accelerate's (clipping.py).
 Without a Megatron config it is plain `accelerate.Accelerator`.
 """
 from __future__ import annotations
@@ -23,14 +24,15 @@ import os
 import accelerate
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedType, MegatronLMDummyScheduler, recursively_apply
+from accelerate.utils import DistributedType, MegatronLMDummyScheduler
 from torch import nn
 
 from ...config import ModelConfig
 from ...errors import ConfigError
 from ...parallel import state
 from ...training import trainer
-from . import state_io
+from . import metrics, state_io
+from .clipping import clip_accumulated_
 from .engine import EngineRNG, MegatronEngine, follow_user_lr
 from .loaders import prepare_loader
 from .param_groups import chunk_param_groups, hf_param_refs
@@ -265,9 +267,11 @@ class Accelerator(accelerate.Accelerator):
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Under Megatron-LM the engine clips inside `model(**batch)` (at megatron_lm_gradient_clipping);
-        this returns that update's total gradient norm before clipping, as torch's clip_grad_norm_
-        does (as accelerate's DeepSpeed path, which also clips inside its engine: the last update's
-        norm; None before the first; inf for an update skipped for a non-finite gradient)."""
+        after a batch that updated, this returns that update's total gradient norm before clipping, as
+        torch's clip_grad_norm_ does (as accelerate's DeepSpeed path, which also clips inside its engine;
+        None before the first update; inf for an update skipped for a non-finite gradient).  After a batch
+        that only accumulated it is plain accelerate's: the norm of the gradients accumulated so far, which
+        it clips in place (clipping.py)."""
         if not self.megatron:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if float(max_norm) != float(self.megatron_config.clip_grad):
@@ -277,7 +281,10 @@ class Accelerator(accelerate.Accelerator):
         if float(norm_type) != 2.0:
             raise ConfigError(f"accelerator.clip_grad_norm_(norm_type={norm_type}): under Megatron-LM the engine clips "
                               f"by the L2 norm (norm_type=2)")
-        norm = self._need_engine("clip_grad_norm_").grad_norm
+        engine = self._need_engine("clip_grad_norm_")
+        if engine.accumulated:
+            return clip_accumulated_(engine, max_norm)
+        norm = engine.grad_norm
         return None if norm is None else torch.tensor(norm, dtype=torch.float32, device=self.device)
 
     def clip_grad_value_(self, parameters, clip_value):
@@ -286,6 +293,26 @@ class Accelerator(accelerate.Accelerator):
         raise ConfigError(f"accelerator.clip_grad_value_(clip_value={clip_value}): under Megatron-LM the engine clips inside "
                           f"model(**batch) by the total L2 norm (megatron_lm_gradient_clipping="
                           f"{self.megatron_config.clip_grad}); value clipping is not available")
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler=None):
+        """Plain accelerate's autocast for the script's own code: torch.autocast in the mixed precision's dtype
+        where accelerate enables it (bf16 anywhere, fp16 off the CPU), else nothing.  (accelerate's own
+        would autocast to the device's default dtype under MEGATRON_LM -- fp16 on a GPU for bf16.)
+        The engine runs its own mixed precision: `model(**batch)` inside gives the same numbers as outside."""
+        if not self.megatron:
+            with super().autocast(autocast_handler):
+                yield
+            return
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        if not self.native_amp:
+            context = contextlib.nullcontext()
+        else:
+            dtype = torch.float16 if self.mixed_precision == "fp16" else torch.bfloat16
+            context = torch.autocast(device_type=self.device.type, dtype=dtype, **kwargs)
+        with context:
+            yield
 
     def _main_rank(self) -> int:
         return self.num_processes - 1  # accelerate's Megatron-LM main process: the last rank
@@ -322,60 +349,25 @@ class Accelerator(accelerate.Accelerator):
         if first:
             _barrier()
 
-    # ------------------------------------------------------------------ metrics over the dp group
+    # ------------------------------------------------------------------ metrics over the dp group (metrics.py)
     def gather(self, tensor):
         if not self.megatron:
             return super().gather(tensor)
-        group = state.get_state().group("dp")
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            t = t.clone()[None] if t.ndim == 0 else t.contiguous()
-            if group is None or dist.get_world_size(group) == 1:
-                return t
-            parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, t, group=group)
-            return torch.cat(parts)
-
-        return recursively_apply(one, tensor, error_on_other_type=True)
+        return metrics.gather(tensor)
 
     def gather_for_metrics(self, input_data, use_gather_object: bool = False):
         """accelerate's gather_for_metrics over the data-parallel group: the duplicates that
         even_batches added to the last batch are dropped (`gradient_state.remainder`)."""
         if not self.megatron:
             return super().gather_for_metrics(input_data, use_gather_object)
-        tensors_only = all(isinstance(t, torch.Tensor) for t in
-                           (input_data if isinstance(input_data, (list, tuple)) else
-                            input_data.values() if isinstance(input_data, dict) else [input_data]))
-        if use_gather_object or not tensors_only:
-            group = state.get_state().group("dp")
-            parts = [None] * (dist.get_world_size(group) if group is not None else 1)
-            if group is not None:
-                dist.all_gather_object(parts, input_data, group=group)
-            else:
-                parts = [input_data]
-            data = [item for part in parts for item in part]
-        else:
-            data = self.gather(input_data)
-        remainder = self.gradient_state.remainder
-        if not self.gradient_state.end_of_dataloader or remainder <= 0:
-            return data
-        if isinstance(data, list):
-            return data[:remainder]
-        return recursively_apply(lambda t: t[:remainder], data)
+        return metrics.gather_for_metrics(input_data, use_gather_object, self.gradient_state)
 
     def reduce(self, tensor, reduction="sum", scale=1.0):
+        """accelerate's reduce ("sum", "mean" or "max") over the data-parallel group; `scale` is ignored,
+        as accelerate's own applies it on XLA only."""
         if not self.megatron:
             return super().reduce(tensor, reduction, scale)
-        group = state.get_state().group("dp")
-        size = dist.get_world_size(group) if group is not None else 1
-
-        def one(t: torch.Tensor) -> torch.Tensor:
-            t = t.clone()
-            if size > 1:
-                dist.all_reduce(t, group=group)
-            return (t / size if reduction == "mean" else t) * scale
-
-        return recursively_apply(one, tensor, error_on_other_type=True)
+        return metrics.reduce(tensor, reduction)
 
     # ------------------------------------------------------------------ weights
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):

@@ -130,6 +130,11 @@ class MegatronEngine(nn.Module):
     def accelerator(self):
         return self._accelerator[0]
 
+    @property
+    def accumulated(self) -> int:
+        """Batches back-propagated since the last update (0 right after an update)."""
+        return self._accumulated
+
     # ------------------------------------------------------------------ batching
     @property
     def num_micro_batches(self) -> int:
@@ -164,7 +169,10 @@ class MegatronEngine(nn.Module):
             if batch.pop(flag, None):
                 raise ConfigError(f"model(**batch, {flag}=True) (Megatron-LM engine): not available; the engine returns "
                                   f"the loss (and logits with MegatronLMPlugin(return_logits=True) in eval mode)")
-        with self.rng.active():
+        # the engine runs its own mixed precision: a script's `with accelerator.autocast():` around the call
+        # (plain accelerate's model is autocast already, so there it changes nothing) changes nothing here either
+        device_type = next(self.chunks[0].parameters()).device.type
+        with self.rng.active(), torch.autocast(device_type=device_type, enabled=False):
             out = self._train(batch) if self.training else self._evaluate(batch)
         return out if return_dict is None or return_dict else out.to_tuple()  # transformers' return_dict=False
 
