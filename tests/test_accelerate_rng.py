@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from dist import run_distributed
@@ -63,6 +64,7 @@ def test_set_seed_shuffle_and_draws_after_prepare_are_plain_accelerates(tmp_path
     assert ours["after_load"] == ours["saved_next"]
 
 
+@pytest.mark.slow  # 2 processes through accelerate, ~19 s
 def test_tp2_ranks_share_dropout_and_keep_plain_user_rng(tmp_path):
     """tp2 (dp 1): each rank's user generator seeded differently; the draws after prepare are what
     that seed gives under plain accelerate, and both ranks of the replica compute one loss."""

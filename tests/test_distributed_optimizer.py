@@ -168,6 +168,7 @@ def _older_torch_worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # 2 processes, ~28 s: a compatibility path (torch without the newer collective names)
 def test_collectives_fall_back_to_the_names_older_torch_has():
     for (losses, saved), (older_losses, older_saved) in run_distributed(_older_torch_worker, 2, ()):
         assert losses == older_losses
