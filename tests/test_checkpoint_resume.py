@@ -35,8 +35,8 @@ def model_config(**overrides) -> ModelConfig:
     return ModelConfig.from_hf(tiny_config("gpt2", resid_pdrop=0.1, attn_pdrop=0.1, embd_pdrop=0.1, **overrides))
 
 
-def run_and_resume(cfg: TrainingConfig, config: ModelConfig, save_dir) -> tuple[list, list]:
-    """(uninterrupted losses, losses of a run saved at SAVE_AT and resumed in fresh objects)."""
+def run_and_resume(cfg: TrainingConfig, config: ModelConfig, save_dir, ckpt_format: str = "torch") -> tuple[list, list]:
+    """(uninterrupted losses, losses of a run saved at SAVE_AT (in `ckpt_format`) and resumed in fresh objects)."""
     data = batches()
 
     def fresh(seed):
@@ -52,7 +52,7 @@ def run_and_resume(cfg: TrainingConfig, config: ModelConfig, save_dir) -> tuple[
     uninterrupted = train(fresh(cfg.seed), data)
     first = fresh(cfg.seed)
     interrupted = train(first, data[:SAVE_AT])
-    save_checkpoint(save_dir, SAVE_AT, *first)
+    save_checkpoint(save_dir, SAVE_AT, *first, ckpt_format=ckpt_format)
     second = fresh(cfg.seed + 1)  # other init, other RNG: everything must come from the checkpoint
     assert load_checkpoint(save_dir, *second) == SAVE_AT
     return uninterrupted, interrupted + train(second, data[SAVE_AT:])

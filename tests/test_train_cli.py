@@ -413,11 +413,8 @@ def test_megatron_lm_flags_hf_megatron_lacks_are_named_under_the_verbs_usage(wor
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("torch_dist", "RunConfig.ckpt_format (--ckpt-format torch_dist): train writes only torch checkpoints; save "
-                   "with --ckpt-format torch, then `hf-megatron convert/reshard --ckpt-format torch_dist` writes "
-                   "torch_dist (train --load resumes either)"),
-    ("zarr", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, got 'zarr'"),
-    ("fsdp_dtensor", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, got 'fsdp_dtensor'"),
+    ("zarr", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, torch_dist, got 'zarr'"),
+    ("fsdp_dtensor", "RunConfig.ckpt_format (--ckpt-format): expected one of torch, torch_dist, got 'fsdp_dtensor'"),
 ])
 def test_ckpt_format_train_does_not_write_is_one_line(workspace, tmp_path, value, expected):
     line = error_line(_train(workspace, tmp_path / "out", 1, "--ckpt-format", value))

@@ -45,6 +45,7 @@ from .unpickle import first_line, load_pickle, own_safe_globals, safe_load
 from .writer import CHECKPOINT_VERSION, params_dtype
 
 _LAYERS = "decoder.layers."
+COMMON_FILE = "common.pt"  # megatron-core's common state of a torch_dist folder
 _MODEL_PREFIX = re.compile(r"^model\d*\.")
 
 # exactly what torch.distributed.checkpoint pickles into `.metadata` (and nothing reachable from it)
@@ -259,6 +260,47 @@ def sharded_key(name: str) -> tuple[str, int | None]:
 
 
 
+def global_entries(config, named, tp: int = 1, prefix: str = "", extra_state: bool = False,
+                   where: Path | str = "") -> dict:
+    """{prefix + sharded key: global tensor} from the full tensors `named` ((full name, tensor) of every
+    layer): per-layer tensors stacked on a leading layer axis [L, ...], vocab tables padded for `tp`
+    (zero rows).  `extra_state`: also the linear layers' empty `_extra_state` objects, one `[None]`
+    bytes entry per layer (what megatron-core saves for its local layers).  The optimizer's entries are
+    the model's under `optimizer.state.<state key>.` (megatron-core's `make_sharded_optimizer_tensor`)."""
+    layers: dict[str, list] = {}
+    state: dict[str, torch.Tensor | list] = {}
+    for name, tensor in named:
+        key, layer = sharded_key(name)
+        if layer is None:
+            state[prefix + key] = pad_vocab(tensor, config.padded_vocab_size(tp)) if name in VOCAB_PARAMS else tensor
+            continue
+        layers.setdefault(key, [None] * config.num_layers)[layer] = tensor
+        owner = _EXTRA_STATE_OWNERS.match(key[len(_LAYERS):])
+        if extra_state and owner:
+            # megatron-core's bytes: torch.save of the list of the objects' data (DCP saves it)
+            state[f"{_LAYERS}{owner.group(1)}._extra_state/shard_{layer}_{config.num_layers}"] = [None]
+    for key, per_layer in layers.items():
+        missing = [i for i, t in enumerate(per_layer) if t is None]
+        if missing:
+            raise CheckpointError(f"{where}: the source gave no {prefix}{key} for layers {missing[:4]}")
+        state[prefix + key] = torch.stack(per_layer)
+    return state
+
+
+def save_entries(iter_dir: Path, state: dict) -> None:
+    """torch.distributed.checkpoint of `state` into iter_dir (.metadata, __0_0.distcp), from this process
+    alone; byte entries (lists, ShardedObject data) stay whole entries."""
+    iter_dir.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=filesystem.FileSystemWriter(str(iter_dir)), no_dist=True,
+             planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def save_common(iter_dir: Path, common: dict) -> None:
+    """common.pt (megatron-core's common state: args, iteration, ...) and metadata.json (its backends)."""
+    save_atomic(common, iter_dir / COMMON_FILE)
+    write_text_atomic(iter_dir / "metadata.json", json.dumps(CHECKPOINTING_CONFIG))
+
+
 def write_torch_dist(iter_dir: Path, config, source, tp: int = 1, pp: int = 1, iteration: int | str = "release",
                      args: dict | None = None) -> None:
     """Write the full tensors of `source` (writer.Source) as megatron-core's torch_dist folder:
@@ -272,30 +314,10 @@ def write_torch_dist(iter_dir: Path, config, source, tp: int = 1, pp: int = 1, i
 
     Any TP/PP layout loads it (megatron-core reads each rank's boxes); `tp`/`pp` are recorded in
     args and set the vocab padding.  Memory: the whole model, once (DCP plans one save)."""
-    layers: dict[str, list] = {}
-    state: dict[str, torch.Tensor | list] = {}
-    for name, tensor in source(range(config.num_layers)):
-        key, layer = sharded_key(name)
-        if layer is None:
-            state[key] = pad_vocab(tensor, config.padded_vocab_size(tp)) if name in VOCAB_PARAMS else tensor
-        else:
-            layers.setdefault(key, [None] * config.num_layers)[layer] = tensor
-            owner = _EXTRA_STATE_OWNERS.match(key[len(_LAYERS):])
-            if owner:
-                # megatron-core's bytes: torch.save of the list of the objects' data (DCP saves it)
-                state[f"{_LAYERS}{owner.group(1)}._extra_state/shard_{layer}_{config.num_layers}"] = [None]
-    for key, per_layer in layers.items():
-        missing = [i for i, t in enumerate(per_layer) if t is None]
-        if missing:
-            raise CheckpointError(f"{iter_dir}: the source gave no {key} for layers {missing[:4]}")
-        state[key] = torch.stack(per_layer)
-    del layers
-    iter_dir.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=filesystem.FileSystemWriter(str(iter_dir)), no_dist=True,
-             planner=DefaultSavePlanner(flatten_state_dict=False))  # the [None] lists stay whole entries
+    state = global_entries(config, source(range(config.num_layers)), tp, extra_state=True, where=iter_dir)
+    save_entries(iter_dir, state)
     tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     megatron_args = build_args(config, **{"params_dtype": params_dtype([tensors]), **(args or {})}, tp=tp, pp=pp,
                                iteration=0 if iteration == "release" else iteration, ckpt_format="torch_dist")
-    save_atomic({"args": megatron_args, "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": 0 if iteration == "release" else iteration}, iter_dir / "common.pt")
-    write_text_atomic(iter_dir / "metadata.json", json.dumps(CHECKPOINTING_CONFIG))
+    save_common(iter_dir, {"args": megatron_args, "checkpoint_version": CHECKPOINT_VERSION,
+                           "iteration": 0 if iteration == "release" else iteration})

@@ -38,6 +38,7 @@ from ..checkpoint.files import (MODEL_FILE, TRACKER, StagingDir, iter_dir_name, 
 from ..checkpoint.mcore import read_rank_file
 from ..checkpoint.names import model_keys, to_stage_global, to_stage_local
 from ..checkpoint.reader import info_entries
+from ..checkpoint.torch_dist import COMMON_FILE
 from ..checkpoint.unpickle import safe_load
 from ..checkpoint.writer import rank_payload, write_rank_file
 from ..errors import CheckpointError
@@ -47,6 +48,7 @@ from .megatron_distrib_optim import empty_megatron_state, training_layout, unwra
 from .megatron_optimizer_layout import set_schedule_bounds
 from .optimizer_files import DISTRIB_OPTIM_FILE, kept_apart, optimizer_entry, parameter_state_of
 from .torch_dist_resume import PARAMETER_STATE, is_torch_dist_folder, read_torch_dist
+from .torch_dist_save import unsupported, write_torch_dist_iteration
 
 
 def _chunks(model_chunks) -> list[torch.nn.Module]:
@@ -113,17 +115,22 @@ def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any]) -> dic
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None,
-                    rng_state: dict[str, Any] | None = None) -> Path:
+                    rng_state: dict[str, Any] | None = None, ckpt_format: str = "torch") -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
     level of every file; the model card of `hf-megatron push` reports `consumed_train_samples`,
     `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
     `args` namespace (e.g. seq_length).  Re-saving an iteration replaces it whole; entries of
     `extra` / `args` given as None keep the value the earlier save recorded.  `rng_state`: this
     process's RNG entry (default: the current state; training/deferred.py passes the one its
-    returned step left)."""
+    returned step left).  `ckpt_format="torch_dist"`: megatron-core's torch_dist folder instead of the
+    rank files (torch_dist_save.py; tp 1, pp 1, no distributed optimizer)."""
     chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     final = Path(save_dir) / iter_dir_name(iteration)
+    if ckpt_format == "torch_dist":
+        why = unsupported(state.get_state().tp, pp_size, getattr(optimizer, "sharded", False))
+        if why or len(chunks) > 1:
+            raise CheckpointError(why or "--ckpt-format torch_dist: train writes it with one model chunk only")
     is_first = not _distributed() or dist.get_rank() == 0
     staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
     _barrier()
@@ -134,8 +141,10 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         extra, args = dict(extra or {}), dict(args or {})
         if sharded:  # the flags distrib_optim.pt's layout follows, recorded with it
             args = {**optimizer.megatron_args(), **args}
-        _keep_recorded(final / rank_dir.name / MODEL_FILE, extra, args)
-        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args})
+        _keep_recorded(final / (COMMON_FILE if ckpt_format == "torch_dist" else f"{rank_dir.name}/{MODEL_FILE}"),
+                       extra, args)
+        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args,
+                                                        "ckpt_format": ckpt_format})
     # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
     if optim_state is not None and hasattr(scheduler, "min_lr"):  # megatron-core's scheduler reads them per group
@@ -145,7 +154,12 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         param_state, place = empty_megatron_state(training_layout(chunks, megatron_args, pp_rank)) \
             if dp_rank == 0 else (None, None)
         optimizer.parameter_state(place)
-    if dp_rank == 0 and cp_rank == 0:
+    if ckpt_format == "torch_dist":
+        if is_first:  # tp 1, pp 1: global rank 0 holds the whole (replicated) state
+            write_torch_dist_iteration(staging.path, chunks[0], optimizer, megatron_args, iteration, extra,
+                                       [rng_state or get_rng_state()], optim_state,
+                                       scheduler.state_dict() if scheduler is not None else None)
+    elif dp_rank == 0 and cp_rank == 0:
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[rng_state or get_rng_state()],
                                optimizer=optim_state,

@@ -27,7 +27,7 @@ from ..parallel.compile import SCOPES as COMPILE_SCOPES
 from ..parallel.float8 import FP8_FORMATS, FP8_RECIPES, check_fp8_choice
 
 DECAY_STYLES = ("constant", "linear", "cosine")
-CKPT_FORMATS = ("torch",)  # Megatron-LM's --ckpt-format values train writes
+CKPT_FORMATS = ("torch", "torch_dist")  # Megatron-LM's --ckpt-format values train writes
 MOMENT_DTYPES = ("fp32", "bf16")  # Megatron-LM's --exp-avg-dtype / --exp-avg-sq-dtype choices we offer
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 MEGATRON_DESTS = {"fp8": "fp8_format"}  # Megatron-LM's argparse dest -> our field (its flag's name)
@@ -338,8 +338,8 @@ class RunConfig(ModelFlags):
                                         "latest_checkpointed_iteration.txt names (Megatron-LM's --ckpt-step)")
     ckpt_format: str = option(
         "torch", group="checkpointing and logging", choices=CKPT_FORMATS,
-        help="format of the checkpoints --save writes: Megatron-LM's torch (mp_rank_* files); torch_dist is not "
-             "written by train (write it from a torch save with convert/reshard --ckpt-format torch_dist); --load "
+        help="format of the checkpoints --save writes: Megatron-LM's torch (mp_rank_* files) or torch_dist "
+             "(megatron-core's distributed checkpoint; tp 1, pp 1, no --use-distributed-optimizer); --load "
              "reads torch and torch_dist checkpoints whatever this is")
     pretrained_checkpoint: str | None = option(
         None, group="fine-tuning",
@@ -410,10 +410,6 @@ class RunConfig(ModelFlags):
              "on GPUs, gloo on CPUs)")
 
     def __post_init__(self) -> None:
-        if self.ckpt_format == "torch_dist":
-            raise ConfigError("RunConfig.ckpt_format (--ckpt-format torch_dist): train writes only torch "
-                              "checkpoints; save with --ckpt-format torch, then `hf-megatron convert/reshard "
-                              "--ckpt-format torch_dist` writes torch_dist (train --load resumes either)")
         check_fields(self)
         from_checkpoint = bool(self.pretrained_checkpoint or self.load)  # it can give the model's structure
         from_flags = self.check_model_flags()

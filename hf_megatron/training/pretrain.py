@@ -98,9 +98,10 @@ def _non_finite(stats: dict, cfg: trainer.TrainingConfig) -> bool:
 def _setup(cfg: trainer.TrainingConfig, run: RunConfig):
     """Everything that can fail without a model, then the model: (cfg, start, source, device, gbs)."""
     from .preflight import (check_data, check_model_fits, check_null_tokenizer_fits, check_output_folders,
-                            check_pipeline_split)
+                            check_pipeline_split, check_save_format)
     from .start import model_source, plan_start
     check_output_folders(run)
+    check_save_format(cfg, run)
     if cfg.sequence_parallel and run.seq_length % cfg.tensor_model_parallel_size:
         raise ConfigError(f"--seq-length {run.seq_length}: expected a multiple of --tensor-model-parallel-size "
                           f"{cfg.tensor_model_parallel_size} with --sequence-parallel")
@@ -237,7 +238,7 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
                                "loss": loss, "train_tokens": consumed * run.seq_length},
-                        rng_state=runner.rng_state() if runner is not None else None)
+                        rng_state=runner.rng_state() if runner is not None else None, ckpt_format=run.ckpt_format)
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
     history, saved_at, exit_reason, unscored_steps = [], None, None, 0
