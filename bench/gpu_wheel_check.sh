@@ -5,7 +5,7 @@
 # TORCH_EXTENSIONS_DIR, so nothing cached is reused), the fused RMSNorm / SwiGLU / rotary Functions must
 # actually run (not the PyTorch fallbacks), and values and grads must match hf_megatron.kernels.reference.
 # Prints one table line; exit 0 only if every check passed.
-# Usage (from anywhere, on a CUDA machine with torch, setuptools>=70.1 and ninja installed):
+# Usage (from anywhere, on a CUDA machine with torch, setuptools>=77 and ninja installed):
 #   bash bench/gpu_wheel_check.sh          # PYTHON=python3 SITE=/tmp/whl_site by default
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
