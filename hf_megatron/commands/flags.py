@@ -63,8 +63,10 @@ def add_flags(parser: argparse.ArgumentParser, *config_classes: type) -> None:
 
 def add_megatron_lm_no_ops(parser: argparse.ArgumentParser) -> None:
     """Megatron-LM flags that pick among implementations hf-megatron has one of, accepted and ignored:
-    they change no number here.  (--attention-softmax-in-fp32 is not among them: it asks for a
-    precision, which hf-megatron cannot promise on every attention path.)"""
+    they change no number here.  --attention-softmax-in-fp32 asks for a precision hf-megatron always
+    has: scaled_dot_product_attention's kernels keep the softmax in fp32 for bf16/fp16 inputs, and
+    torch's softmax of a bf16/fp16 tensor computes in fp32 and rounds once, as Megatron-LM's fp32
+    softmax followed by its cast back (tests/test_attention_softmax_fp32.py)."""
     group = parser.add_argument_group("Megatron-LM flags accepted with no effect (hf-megatron has one "
                                       "implementation)")
     group.add_argument("--use-mcore-models", action="store_true", dest="_use_mcore_models",
@@ -75,6 +77,9 @@ def add_megatron_lm_no_ops(parser: argparse.ArgumentParser) -> None:
                        help="--load always detects the checkpoint's format (torch or torch_dist)")
     group.add_argument("--no-masked-softmax-fusion", action="store_true", dest="_no_masked_softmax_fusion",
                        help="hf-megatron has no fused masked-softmax kernel to turn off")
+    group.add_argument("--attention-softmax-in-fp32", action="store_true", dest="_attention_softmax_in_fp32",
+                       help="the attention softmax is always computed in fp32 here (then rounded to the "
+                            "activations' dtype, as Megatron-LM does)")
 
 
 def unrecognized(tokens: list[str]) -> str:
