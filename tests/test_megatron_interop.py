@@ -160,7 +160,9 @@ def _mcore_worker(rank, world, torch_files, torch_dist_dirs):
             logits[f"torch/{arch}"] = _forward(model)
     for arch, folder in torch_dist_dirs.items():  # our torch_dist folder, through megatron-core's reader
         args = safe_load(Path(folder) / "common.pt")["args"]
-        args.padded_vocab_size = -(-args.vocab_size // args.make_vocab_size_divisible_by) * args.make_vocab_size_divisible_by
+        # Megatron-LM pads its tokenizer's vocab_size: a NullTokenizer's is --vocab-size + 1 (its eod)
+        tokenizer_vocab = args.vocab_size + (1 if args.tokenizer_type == "NullTokenizer" else 0)
+        args.padded_vocab_size = -(-tokenizer_vocab // args.make_vocab_size_divisible_by) * args.make_vocab_size_divisible_by
         model = mcore_model_from_args(args).eval()
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, folder, strict=StrictHandling.RAISE_ALL)
         model.load_state_dict(loaded["model"], strict=True)
