@@ -241,6 +241,13 @@ def test_bad_chat_records_are_one_line_errors(tmp_path, chat_tokenizer, capsys, 
     assert not [p for p in os.listdir(tmp_path) if p.startswith("chat_")]  # nothing half-written
 
 
+def _sft_chunked_argv(path, prefix, tokenizer):
+    """preprocess --sft of a chat field, read in several chunks (--workers 2 --partitions 4)."""
+    return ["preprocess", "--input", str(path), "--output-prefix", str(prefix), "--sft", "--json-keys", "messages",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer), "--no-progress",
+            "--workers", "2", "--partitions", "4"]
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 @pytest.mark.parametrize("bad, needle", [
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
@@ -258,10 +265,7 @@ def test_bad_record_error_names_its_line_past_the_first_chunk(tmp_path, chat_tok
     path = tmp_path / f"chat{suffix}"
     path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
     assert len("\n".join(lines[:70])) > len(text) // 4  # well past the first chunk
-    argv = ["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "o"), "--sft", "--json-keys",
-            "messages", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(chat_tokenizer),
-            "--no-progress", "--workers", "2", "--partitions", "4"]
-    assert cli.main(argv) == 2
+    assert cli.main(_sft_chunked_argv(path, tmp_path / "o", chat_tokenizer)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert f"error: {path}:71: {needle}" in err[-1], err
 
@@ -313,3 +317,20 @@ def test_bad_sft_inputs_are_one_line_errors(tmp_path, capsys, case):
         assert len(train) == 4 and valid is None and test is None
         with pytest.raises(ValueError, match="e_sft_document.idx: the valid split has no documents"):
             build_sft_datasets(prefix, split_bookends("98,1,1"), SEQ, 1, (4, 2, None), False)
+
+
+def test_bad_parquet_record_error_names_its_row(tmp_path, chat_tokenizer, capsys):
+    """A parquet input is read in row groups: the error names the record's row of the whole file
+    (0-based, as datasets and pyarrow index it), not the chunk's row-group number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    rows = [good] * 40
+    rows[27] = [{"role": "user", "content": "hi"}]
+    path = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"messages": rows}), path, row_group_size=10)
+    assert pq.ParquetFile(path).num_row_groups == 4
+    assert cli.main(_sft_chunked_argv(path, tmp_path / "o", chat_tokenizer)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"error: {path}: row 27 (0-based): no assistant message" in err[-1], err

@@ -237,8 +237,17 @@ def record_place(chunk: tuple, index: int) -> str:
         position = next(itertools.islice(records, index, None), None)
         if position is not None:
             return f"{source}:{line_number(source, position)}"
-    unit = "byte" if kind in ("json", "text") else "row"
-    return f"{getattr(source, 'name', source)}: chunk from {unit} {chunk[2]}, record {index}"
+    name = getattr(source, "name", source)
+    if kind == "hub":  # rows chunk[2]:chunk[3] of the dataset
+        return f"{name}: row {chunk[2] + index} (0-based, as the dataset indexes it)"
+    if kind == "parquet":  # row groups chunk[2]:chunk[3] of the file
+        import pyarrow.parquet as pq
+        metadata = pq.ParquetFile(source).metadata
+        before = sum(metadata.row_group(i).num_rows for i in range(chunk[2]))
+        return f"{name}: row {before + index} (0-based)"
+    if kind == "hub_stream":
+        return f"{name}: record {index} of stream shard {chunk[2]} of {chunk[3]}"
+    return f"{name}: chunk from byte {chunk[2]}, record {index}"
 
 
 def _column_documents(columns: dict[str, list], keys: list[str]) -> Iterator[tuple[dict, int]]:
