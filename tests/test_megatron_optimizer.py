@@ -307,7 +307,10 @@ def resume_with_train(tmp_path: Path, dtype: str, *extra) -> dict[int, float]:
     """`hf-megatron train --load <tmp_path>/megatron_lm` to iteration K+2 with the run's hyper-parameters;
     its losses by iteration (it must resume at K+1)."""
     from train_cli import cli_inprocess
-    flags = [*resume_flags(tmp_path, dtype), *extra]
+    from hf_megatron.training.checkpoint import checkpoint_info
+    # megatron-core's CPU runs save no RNG (args.no_save_rng): Megatron-LM resumes those with --no-load-rng
+    no_rng = checkpoint_info(tmp_path / "megatron_lm")["args"].get("no_save_rng")
+    flags = [*resume_flags(tmp_path, dtype), *(["--no-load-rng"] if no_rng else []), *extra]
     code, out, err = cli_inprocess("--load", tmp_path / "megatron_lm", "--train-iters", K + 2,
                                    "--tensorboard-dir", tmp_path / "tb", *flags)
     assert code == 0, err[-3000:]

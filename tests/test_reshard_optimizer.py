@@ -93,7 +93,8 @@ def resharded_resume(root, name, source, target, arch="llama", with_optimizer=Tr
     reshard(source / f"iter_{SAVE_AT:07d}", out, target.get("tp", 1), target.get("pp", 1),
             *(["--with-optimizer"] if with_optimizer else []), *(["--vpp", target["vpp"]] if "vpp" in target else []))
     train(root, SAVE_AT + MORE, "--load", out, "--save", out, "--tensorboard-dir", out / "tb",
-          *([] if with_optimizer else ["--no-load-optim"]), layout=target, arch=arch, precision=precision)
+          *([] if with_optimizer else ["--no-load-optim", "--no-load-rng"]), layout=target, arch=arch,
+          precision=precision)
     return losses(out / "tb")
 
 

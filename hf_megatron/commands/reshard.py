@@ -8,7 +8,8 @@
 Megatron-LM's tools/checkpoint/convert.py spellings work too: --load-dir, --save-dir,
 --target-tensor-parallel-size, --target-pipeline-parallel-size.
 
-Model weights only by default: the optimizer restarts (resume with --no-load-optim, or fine-tune).
+Model weights only by default: the optimizer and RNG restart (resume with --no-load-optim --no-load-rng,
+or fine-tune).
 The iteration number and tokenizer files are kept.
 
 --with-optimizer also carries a training checkpoint's optimizer state: fp32 main weights and

@@ -99,14 +99,14 @@ def _keep_recorded(previous: Path, extra: dict[str, Any], args: dict[str, Any]) 
         args[key] = getattr(old_args, key, None)
 
 
-def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any]) -> dict[str, Any]:
+def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any], has_rng: bool) -> dict[str, Any]:
     """What the args table needs to know about this run (hf_megatron.checkpoint.args.Layout)."""
     st = state.get_state()
     params = [p for m in chunks for p in m.parameters() if p.is_floating_point()]
     layout = dict(tp=st.tp, pp=st.pp, vpp=len(chunks) if len(chunks) > 1 else None, dp=st.dp, cp=st.cp,
                   iteration=iteration, params_dtype=params[0].dtype if params else torch.float32,
                   sequence_parallel=any(getattr(mod, "sequence_parallel", False) for m in chunks for mod in m.modules()),
-                  has_optimizer=optimizer is not None, has_rng=True)
+                  has_optimizer=optimizer is not None, has_rng=has_rng)
     for key in ("consumed_train_samples", "consumed_valid_samples"):  # Megatron-LM reads them from args
         if isinstance(extra.get(key), int):
             layout[key] = extra[key]
@@ -115,7 +115,8 @@ def _run_layout(chunks, iteration: int, optimizer, extra: dict[str, Any]) -> dic
 
 def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, optimizer=None, scheduler=None,
                     extra: dict[str, Any] | None = None, args: dict[str, Any] | None = None,
-                    rng_state: dict[str, Any] | None = None, ckpt_format: str = "torch") -> Path:
+                    rng_state: dict[str, Any] | None = None, ckpt_format: str = "torch",
+                    save_optim: bool = True, save_rng: bool = True) -> Path:
     """Write iteration `iteration`; returns its folder.  `extra` entries are stored at the top
     level of every file; the model card of `hf-megatron push` reports `consumed_train_samples`,
     `train_tokens` and `final_loss` from there.  `args` entries override or add to the Megatron
@@ -123,7 +124,9 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     `extra` / `args` given as None keep the value the earlier save recorded.  `rng_state`: this
     process's RNG entry (default: the current state; training/deferred.py passes the one its
     returned step left).  `ckpt_format="torch_dist"`: megatron-core's torch_dist folder instead of the
-    rank files (torch_dist_save.py; tp 1, pp 1, no distributed optimizer)."""
+    rank files (torch_dist_save.py; tp 1, pp 1, no distributed optimizer).  `save_optim=False` /
+    `save_rng=False`: Megatron-LM's --no-save-optim (no optimizer, opt_param_scheduler, distrib_optim.pt)
+    / --no-save-rng (no rng_state)."""
     chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     final = Path(save_dir) / iter_dir_name(iteration)
@@ -135,7 +138,10 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     staging = StagingDir(final, allow_existing=True, shared=True, create=is_first)
     _barrier()
 
+    if not save_optim:  # Megatron-LM's --no-save-optim
+        optimizer, scheduler = None, None
     sharded = getattr(optimizer, "sharded", False)
+    rank_rng = [rng_state or get_rng_state()] if save_rng else None
     rank_dir = staging.path / rank_dir_name(tp_rank, pp_rank, pp_size)
     if dp_rank == 0:
         extra, args = dict(extra or {}), dict(args or {})
@@ -143,8 +149,8 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
             args = {**optimizer.megatron_args(), **args}
         _keep_recorded(final / (COMMON_FILE if ckpt_format == "torch_dist" else f"{rank_dir.name}/{MODEL_FILE}"),
                        extra, args)
-        megatron_args = build_args(chunks[0].config, **{**_run_layout(chunks, iteration, optimizer, extra), **args,
-                                                        "ckpt_format": ckpt_format})
+        layout = _run_layout(chunks, iteration, optimizer, extra, save_rng)
+        megatron_args = build_args(chunks[0].config, **{**layout, **args, "ckpt_format": ckpt_format})
     # state_dict() / parameter_state() may be collective (dp gathers): every rank calls them
     optim_state = optimizer.state_dict() if optimizer is not None else None
     if optim_state is not None and hasattr(scheduler, "min_lr"):  # megatron-core's scheduler reads them per group
@@ -157,11 +163,11 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     if ckpt_format == "torch_dist":
         if is_first:  # tp 1, pp 1: global rank 0 holds the whole (replicated) state
             write_torch_dist_iteration(staging.path, chunks[0], optimizer, megatron_args, iteration, extra,
-                                       [rng_state or get_rng_state()], optim_state,
+                                       rank_rng, optim_state,
                                        scheduler.state_dict() if scheduler is not None else None)
     elif dp_rank == 0 and cp_rank == 0:
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
-        payload = rank_payload(states, megatron_args, iteration, extra, rng_state=[rng_state or get_rng_state()],
+        payload = rank_payload(states, megatron_args, iteration, extra, rng_state=rank_rng,
                                optimizer=optim_state,
                                opt_param_scheduler=scheduler.state_dict() if scheduler is not None else None)
         write_rank_file(rank_dir, payload)

@@ -341,6 +341,12 @@ class RunConfig(ModelFlags):
         help="format of the checkpoints --save writes: Megatron-LM's torch (mp_rank_* files) or torch_dist "
              "(megatron-core's distributed checkpoint; tp 1, pp 1, no --use-distributed-optimizer); --load "
              "reads torch and torch_dist checkpoints whatever this is")
+    no_save_optim: bool = option(False, group="checkpointing and logging",
+                                 help="save no optimizer state and LR schedule (as Megatron-LM: resuming the "
+                                      "checkpoint then needs --no-load-optim)")
+    no_save_rng: bool = option(False, group="checkpointing and logging",
+                               help="save no RNG state (as Megatron-LM: resuming the checkpoint then needs "
+                                    "--no-load-rng)")
     pretrained_checkpoint: str | None = option(
         None, group="fine-tuning",
         help="weights to fine-tune when --load holds no checkpoint yet: a Megatron checkpoint folder (also a "

@@ -238,7 +238,8 @@ def _train(cfg, run, start, source, device, gbs, exits, monitor, sampler) -> dic
         save_checkpoint(run.save, at, chunks, optimizer, scheduler, args=args,
                         extra={"consumed_train_samples": consumed, "consumed_valid_samples": consumed_valid,
                                "loss": loss, "train_tokens": consumed * run.seq_length},
-                        rng_state=runner.rng_state() if runner is not None else None, ckpt_format=run.ckpt_format)
+                        rng_state=runner.rng_state() if runner is not None else None, ckpt_format=run.ckpt_format,
+                        save_optim=not run.no_save_optim, save_rng=not run.no_save_rng)
 
     counters = {"skipped_iterations": 0, "nan_iterations": 0}
     history, saved_at, exit_reason, unscored_steps = [], None, None, 0

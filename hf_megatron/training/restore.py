@@ -5,9 +5,9 @@ Resume, as Megatron-LM: the iteration and the data position (`consumed_train_sam
 changed global batch size continues at the right sample) come from the checkpoint; the optimizer
 unless --no-load-optim (which, as in Megatron-LM, also starts the LR schedule afresh); the LR
 schedule's step count, its shape checked against the flags (`checkpoint.restore_scheduler`); the
-RNG streams unless --no-load-rng -- handed back, not set: the caller sets them after creating the
-data iterator, which draws from the global generator (a resumed run with dropout then draws what
-the uninterrupted run drew).
+RNG streams unless --no-load-rng (a checkpoint without them is refused, as Megatron-LM does) --
+handed back, not set: the caller sets them after creating the data iterator, which draws from the
+global generator (a resumed run with dropout then draws what the uninterrupted run drew).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from ..config import ModelConfig
+from ..errors import CheckpointError
 from ..model.attention import CoreAttention
 from . import trainer
 from .checkpoint import load_checkpoint
@@ -87,5 +88,8 @@ def build_training_state(run: RunConfig, cfg: trainer.TrainingConfig, start: Sta
             saved = getattr(args, "consumed_train_samples", None)
         restored.consumed_samples = int(saved) if saved is not None else restored.iteration * global_batch_size
         restored.rng_state = None if run.no_load_rng else info.get("rng_state")
+        if not run.no_load_rng and info.get("rng_state") is None:  # Megatron-LM's load_checkpoint exits there too
+            raise CheckpointError(f"{info.get('path', start.megatron_dir)}: holds no RNG state (saved with "
+                                  "--no-save-rng?); resume it with --no-load-rng (fresh RNG streams) or --finetune")
         restored.source = f"resuming from {start.megatron_dir} iteration {restored.iteration}"
     return chunks, optimizer, scheduler, restored

@@ -202,14 +202,16 @@ def _distributed_optimizer_state(ckpt: TorchDistCheckpoint, saved: dict, chunks,
 def _rng_entry(ckpt: TorchDistCheckpoint):
     """This rank's `rng_state`: Megatron-LM saves its list as ShardedObject 'rng_state' on the (pp, tp) grid
     (or (pp, tp, dp) with one list per dp rank), byte entry `rng_state/shard_<offset>_<shape>`.  The
-    cell at this rank's coordinates when the saved grid is this run's; else None (RNG streams are per
-    rank: another layout starts them from --seed)."""
+    cell at this rank's coordinates when the saved grid is this run's; else [] (RNG streams are per
+    rank: another layout starts them from --seed); None when it holds none (--no-save-rng)."""
     st = parallel_state.get_state()
     here, grid = (st.coords["pp"], st.coords["tp"], st.coords["dp"]), (st.pp, st.tp, st.dp)
+    found = None
     for key, md in ckpt.metadata.state_dict_metadata.items():
         match = _RNG_KEY.fullmatch(key)
         if match is None or not isinstance(md, BytesStorageMetadata):
             continue
+        found = []
         offset, shape = (tuple(int(x) for x in match.group(g).split(".")) for g in (1, 2))
         if len(offset) == len(shape) in (2, 3) and offset == here[:len(offset)] and shape == grid[:len(shape)]:
             saved = ckpt.read_object(key)  # megatron-core stores [data] for a ShardedObject
@@ -217,7 +219,7 @@ def _rng_entry(ckpt: TorchDistCheckpoint):
                 raise CheckpointError(f"{ckpt.folder}: entry {key!r} should hold [the rng_state list] "
                                       f"(megatron-core's ShardedObject), found {type(saved).__name__}")
             return saved[0]
-    return None
+    return found
 
 
 def read_torch_dist(folder: Path, iteration: int | str, chunks, optimizer=None) -> tuple[dict, int | str, Path]:
