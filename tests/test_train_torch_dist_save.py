@@ -38,18 +38,24 @@ def test_engine_resume_of_torch_dist_equals_uninterrupted_run(dtype, tmp_path):
                                                         "common.pt", "common.pt.sha256", "metadata.json"]
 
 
-@pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_train_cli_saves_torch_dist_and_resumes_it(dp, tmp_path):
-    """dp 2: the state is replicated, global rank 0 writes the folder; the others' RNG streams are theirs."""
+@pytest.mark.parametrize("dp, tp, pp", [(1, 1, 1), pytest.param(2, 1, 1, marks=pytest.mark.slow),
+                                         pytest.param(1, 2, 1, marks=pytest.mark.slow),
+                                         pytest.param(1, 1, 2, marks=pytest.mark.slow),
+                                         pytest.param(2, 2, 2, marks=pytest.mark.slow)])
+def test_train_cli_saves_torch_dist_and_resumes_it(dp, tp, pp, tmp_path):
+    """dp 2: the state is replicated, global rank 0 writes the folder; the others' RNG streams are theirs.
+    tp / pp 2: every rank's shards gathered onto global rank 0, merged, one rng_state entry per (pp, tp) cell."""
     from test_reshard_optimizer import losses, run_train
     from train_cli import base_args, cli_inprocess, error_line, make_workspace
     make_workspace(tmp_path)
-    common = ("--ckpt-format", "torch_dist", "--hidden-dropout", 0.1, "--attention-dropout", 0.1)
-    run_train(dp, *base_args(tmp_path, 4), "--save", tmp_path / "full", "--save-interval", 2,
+    common = ("--ckpt-format", "torch_dist", "--hidden-dropout", 0.1, "--attention-dropout", 0.1,
+              "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp)
+    world = dp * tp * pp
+    run_train(world, *base_args(tmp_path, 4), "--save", tmp_path / "full", "--save-interval", 2,
               "--tensorboard-dir", tmp_path / "tb_full", *common)
     full = losses(tmp_path / "tb_full")
-    run_train(dp, *base_args(tmp_path, 4), "--save", tmp_path / "ck", "--exit-interval", 2, *common)
-    out = run_train(dp, *base_args(tmp_path, 4), "--load", tmp_path / "ck", "--save", tmp_path / "ck",
+    run_train(world, *base_args(tmp_path, 4), "--save", tmp_path / "ck", "--exit-interval", 2, *common)
+    out = run_train(world, *base_args(tmp_path, 4), "--load", tmp_path / "ck", "--save", tmp_path / "ck",
                     "--tensorboard-dir", tmp_path / "tb_resumed", *common)
     assert "iteration      3/4" in out and "iteration      1/4" not in out
     resumed = losses(tmp_path / "tb_resumed")
@@ -63,10 +69,15 @@ def test_train_cli_saves_torch_dist_and_resumes_it(dp, tmp_path):
     info = checkpoint_info(tmp_path / "ck")
     assert info["iteration"] == 4 and info["args"]["ckpt_format"] == "torch_dist"
     assert info["consumed_train_samples"] == info["args"]["consumed_train_samples"] == 16
-    # layouts train does not write torch_dist in: one line naming the flags
-    for flags in (("--tensor-model-parallel-size", 2), ("--use-distributed-optimizer",)):
-        line = error_line(cli_inprocess(*base_args(tmp_path, 1), "--save", tmp_path / "no", *common, *flags))
-        assert "--ckpt-format torch_dist with " + " ".join(map(str, flags)) in line, line
+    assert (info["args"]["tensor_model_parallel_size"], info["args"]["pipeline_model_parallel_size"]) == (tp, pp)
+    rng = sorted(n for n in _entries(tmp_path / "ck" / "iter_0000004") if n.startswith("rng_state"))
+    assert rng == [f"rng_state/shard_{p}.{t}_{pp}.{tp}" for p in range(pp) for t in range(tp)]
+    if world > 1:
+        return
+    # the distributed optimizer is not written as torch_dist: one line naming the flag
+    line = error_line(cli_inprocess(*base_args(tmp_path, 1), "--save", tmp_path / "no", *common,
+                                    "--use-distributed-optimizer"))
+    assert "--ckpt-format torch_dist with --use-distributed-optimizer" in line, line
     assert not (tmp_path / "no").exists()
 
 
@@ -84,7 +95,7 @@ def _ours_then_megatron_core(rank, world, arch, dtype, folder):
     from test_megatron_optimizer import HP
     from tiny import engine_batch, tiny_hf_model
     from training_helpers import make_batches, training_config
-    cfg = training_config({}, lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
+    cfg = training_config({"tp": world}, lr=HP["lr"], min_lr=HP["min_lr"], weight_decay=HP["weight_decay"],
                           adam_beta2=HP["beta2"], bf16=dtype == "bf16")
     setup_parallel(cfg)
     chunks = build_model(tiny_hf_model(arch), cfg)
@@ -97,17 +108,17 @@ def _ours_then_megatron_core(rank, world, arch, dtype, folder):
     ours_weights = {n: t.clone() for n, t in chunks[0].state_dict().items()}
     state.reset()
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(world, 1)
     _cpu_stand_ins()
     iteration = Path(folder) / f"iter_{K:07d}"
     common = safe_load(iteration / "common.pt")
-    model = mcore_model(common["args"])
+    model = mcore_model(common["args"], tp=world)
     mcore_optimizer = megatron_core_optimizer(model, common["args"])
     metadata = common["content_metadata"]
     with megatron_core_on_cpu():
         sharded = {"model": model.sharded_state_dict(metadata=metadata)}
         sharded["optimizer"] = mcore_optimizer.sharded_state_dict(sharded, is_loading=True, metadata=metadata)
-    sharded["rng_state"] = ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)  # get_rng_state's
+    sharded["rng_state"] = ShardedObject("rng_state", None, (1, world), (0, rank), replica_id=0)  # get_rng_state's
     loaded = dist_checkpointing.load(sharded, str(iteration), strict=StrictHandling.RAISE_ALL)
     getattr(model, "module", model).load_state_dict(loaded["model"], strict=True)
     mcore_optimizer.load_state_dict(loaded["optimizer"])
@@ -116,8 +127,8 @@ def _ours_then_megatron_core(rank, world, arch, dtype, folder):
                if not n.endswith("_extra_state")}
     # megatron-core saves what it loaded, as Megatron-LM's save_checkpoint composes it
     again = {k: common[k] for k in ("args", "checkpoint_version", "iteration")}
-    again["rng_state"] = ShardedObject("rng_state", loaded["rng_state"], (1, 1), (0, 0), replica_id=0)
-    (Path(folder) / "megatron_core").mkdir()
+    again["rng_state"] = ShardedObject("rng_state", loaded["rng_state"], (1, world), (0, rank), replica_id=0)
+    (Path(folder) / "megatron_core").mkdir(exist_ok=True)
     save_sharded(Path(folder) / "megatron_core", again, model, mcore_optimizer, _Scheduler(common), metadata)
     parallel_state.destroy_model_parallel()
     return {"ours": ours, "theirs": theirs, "ours_weights": ours_weights, "weights": weights,
@@ -140,11 +151,28 @@ def _entries(folder: Path) -> dict:
     return {k: (tuple(v.size), v.properties.dtype) if hasattr(v, "size") else "bytes" for k, v in md.items()}
 
 
-@pytest.mark.parametrize("arch, dtype, kind", [("gpt2", "fp32", "FP32Optimizer"),
-                                               ("qwen2", "bf16", "Float16OptimizerWithFloat16Params")])
-def test_megatron_core_loads_our_torch_dist_training_checkpoint(arch, dtype, kind, tmp_path):
+@pytest.mark.parametrize("arch, dtype, kind, tp", [
+    ("gpt2", "fp32", "FP32Optimizer", 1), ("qwen2", "bf16", "Float16OptimizerWithFloat16Params", 1),
+    pytest.param("gpt2", "fp32", "FP32Optimizer", 2, marks=pytest.mark.slow),
+    pytest.param("qwen2", "bf16", "Float16OptimizerWithFloat16Params", 2, marks=pytest.mark.slow)])
+def test_megatron_core_loads_our_torch_dist_training_checkpoint(arch, dtype, kind, tp, tmp_path):
+    """tp 2: our two ranks' shards merged on rank 0; megatron-core's tp-2 model and optimizer load their own
+    shards of it (strict), each equal to the shard our rank of the same coordinates held."""
     from hf_megatron.checkpoint.unpickle import safe_load
-    got = run_distributed(_ours_then_megatron_core, 1, (arch, dtype, str(tmp_path)))[0]
+    for got in run_distributed(_ours_then_megatron_core, tp, (arch, dtype, str(tmp_path))):
+        _same_state(got, kind)
+    ours_dir, theirs_dir = tmp_path / f"iter_{K:07d}", tmp_path / "megatron_core"
+    assert _entries(ours_dir) == _entries(theirs_dir)
+    mine, megatron = safe_load(ours_dir / "common.pt"), safe_load(theirs_dir / "common.pt")
+    assert set(megatron) <= set(mine) and mine["content_metadata"] == megatron["content_metadata"]
+    assert mine["args"].tensor_model_parallel_size == tp
+    assert mine["optimizer"].keys() == megatron["optimizer"].keys()
+    inner = (lambda entry: entry.get("optimizer", entry))
+    assert inner(mine["optimizer"])["state"].keys() == inner(megatron["optimizer"])["state"].keys() == {"common_step"}
+
+
+def _same_state(got: dict, kind: str) -> None:
+    """One rank: megatron-core's loaded weights, moments, step and fp32 main weights are ours."""
     assert got["kind"] == kind
     ours, theirs = got["ours"], got["theirs"]
     assert sorted(ours) == sorted(theirs)
@@ -156,11 +184,67 @@ def test_megatron_core_loads_our_torch_dist_training_checkpoint(arch, dtype, kin
     for name, tensor in got["weights"].items():
         assert torch.equal(tensor, got["ours_weights"][name]), name
     assert got["rng"] and set(got["rng"][0]) >= {"random_rng_state", "torch_rng_state", "rng_tracker_states"}
-    # megatron-core's own save of the same state: the same entries, shapes and dtypes, the same common keys
-    ours_dir, theirs_dir = tmp_path / f"iter_{K:07d}", tmp_path / "megatron_core"
-    assert _entries(ours_dir) == _entries(theirs_dir)
-    mine, megatron = safe_load(ours_dir / "common.pt"), safe_load(theirs_dir / "common.pt")
-    assert set(megatron) <= set(mine) and mine["content_metadata"] == megatron["content_metadata"]
-    assert mine["optimizer"].keys() == megatron["optimizer"].keys()
-    inner = (lambda entry: entry.get("optimizer", entry))
-    assert inner(mine["optimizer"])["state"].keys() == inner(megatron["optimizer"])["state"].keys() == {"common_step"}
+
+
+def _save_and_load_in_layout(rank, world, arch, layout, folder):
+    """K steps at `layout`, saved as torch_dist (gathered onto rank 0), loaded back into a fresh model and
+    optimizer at the same layout: (this rank's state before, after, RNG entry before, after)."""
+    from hf_megatron.parallel import state
+    from hf_megatron.training import build_model, build_optimizer, build_scheduler, setup_parallel, split_batch, \
+        train_step
+    from hf_megatron.training.checkpoint import get_rng_state, load_checkpoint, save_checkpoint
+    from tiny import engine_batch, tiny_hf_model
+    from training_helpers import make_batches, training_config
+    cfg = training_config(layout, bf16=True)
+    setup_parallel(cfg)
+
+    def build():
+        chunks = build_model(tiny_hf_model(arch), cfg)
+        optimizer = build_optimizer(chunks, cfg)
+        return chunks, optimizer, build_scheduler(optimizer, cfg)
+
+    chunks, optimizer, scheduler = build()
+    for batch in make_batches(K):
+        train_step(chunks, optimizer, scheduler, split_batch(engine_batch(batch), cfg))
+    save_checkpoint(folder, K, chunks, optimizer, scheduler, ckpt_format="torch_dist")
+    before = our_state(chunks[0], optimizer), {n: t.clone() for n, t in chunks[0].state_dict().items()}
+    rng_before = get_rng_state()
+    torch.manual_seed(1234)  # the load must bring the streams back
+    chunks, optimizer, scheduler = build()
+    assert load_checkpoint(folder, chunks, optimizer, scheduler) == K
+    after = our_state(chunks[0], optimizer), {n: t.clone() for n, t in chunks[0].state_dict().items()}
+    state.reset()
+    return before, after, rng_before, get_rng_state()
+
+
+@pytest.mark.parametrize("arch, layout", [("qwen2", {"tp": 2}), pytest.param("gpt2", {"pp": 2}, marks=pytest.mark.slow)])
+def test_torch_dist_saved_at_tp_or_pp_loads_back_exactly(arch, layout, tmp_path):
+    """Every rank's weights, fp32 main weights, Adam moments, step and RNG streams come back bit for bit
+    (tp 2: SwiGLU fc1 and QKV shards merged and split again; pp 2: the stages' layers stacked, the tied
+    embedding's last-stage copy read from the embedding); the folder holds one rng_state per (pp, tp) rank."""
+    got = run_distributed(_save_and_load_in_layout, 2, (arch, layout, str(tmp_path)))
+    for before, after, rng_before, rng_after in got:
+        (state_before, weights_before), (state_after, weights_after) = before, after
+        assert sorted(weights_before) == sorted(weights_after)
+        for name, tensor in weights_before.items():
+            assert torch.equal(tensor, weights_after[name]), name
+        assert sorted(state_before) == sorted(state_after)
+        for name, values in state_before.items():
+            assert values[0] == state_after[name][0] == float(K), name
+            for a, b in zip(values[1:], state_after[name][1:]):
+                assert torch.equal(a, b), name
+        # the streams a CPU run draws from (the expert-parallel entry is a CUDA stand-in restore recomputes)
+        for key in ("random_rng_state", "np_rng_state", "torch_rng_state", "cpu_rng_tracker_states"):
+            assert repr(rng_before[key]) == repr(rng_after[key]), key
+        assert repr(rng_before["rng_tracker_states"]["model-parallel-rng"]) == \
+            repr(rng_after["rng_tracker_states"]["model-parallel-rng"])
+    from hf_megatron.checkpoint.torch_dist import TorchDistCheckpoint
+    tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+    entries = _entries(tmp_path / f"iter_{K:07d}")
+    cells = [(p, t) for p in range(pp) for t in range(tp)]
+    assert sorted(n for n in entries if n.startswith("rng_state")) == [f"rng_state/shard_{p}.{t}_{pp}.{tp}"
+                                                                      for p, t in cells]
+    folder = TorchDistCheckpoint(tmp_path / f"iter_{K:07d}", K)
+    for rank, (p, t) in enumerate(cells):  # rank = pp_rank * tp + tp_rank at dp 1: its own list, as saved
+        assert repr(folder.read_object(f"rng_state/shard_{p}.{t}_{pp}.{tp}")) == repr([[got[rank][2]]])
+    assert entries["decoder.layers.mlp.linear_fc1.weight"][0][0] == 2  # both layers, one global tensor

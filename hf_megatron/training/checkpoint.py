@@ -124,14 +124,14 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
     `extra` / `args` given as None keep the value the earlier save recorded.  `rng_state`: this
     process's RNG entry (default: the current state; training/deferred.py passes the one its
     returned step left).  `ckpt_format="torch_dist"`: megatron-core's torch_dist folder instead of the
-    rank files (torch_dist_save.py; tp 1, pp 1, no distributed optimizer).  `save_optim=False` /
+    rank files (torch_dist_save.py; any tp / pp, no distributed optimizer).  `save_optim=False` /
     `save_rng=False`: Megatron-LM's --no-save-optim (no optimizer, opt_param_scheduler, distrib_optim.pt)
     / --no-save-rng (no rng_state)."""
     chunks = [unwrap_model(m) for m in _chunks(model_chunks)]
     tp_rank, pp_rank, pp_size, dp_rank, cp_rank = _coords()
     final = Path(save_dir) / iter_dir_name(iteration)
     if ckpt_format == "torch_dist":
-        why = unsupported(state.get_state().tp, pp_size, getattr(optimizer, "sharded", False))
+        why = unsupported(getattr(optimizer, "sharded", False))
         if why or len(chunks) > 1:
             raise CheckpointError(why or "--ckpt-format torch_dist: train writes it with one model chunk only")
     is_first = not _distributed() or dist.get_rank() == 0
@@ -160,11 +160,10 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model_chunks, o
         param_state, place = empty_megatron_state(training_layout(chunks, megatron_args, pp_rank)) \
             if dp_rank == 0 else (None, None)
         optimizer.parameter_state(place)
-    if ckpt_format == "torch_dist":
-        if is_first:  # tp 1, pp 1: global rank 0 holds the whole (replicated) state
-            write_torch_dist_iteration(staging.path, chunks[0], optimizer, megatron_args, iteration, extra,
-                                       rank_rng, optim_state,
-                                       scheduler.state_dict() if scheduler is not None else None)
+    if ckpt_format == "torch_dist":  # a collective: every rank's shards onto global rank 0, which writes
+        write_torch_dist_iteration(staging.path, chunks[0], optimizer, megatron_args if is_first else None,
+                                   iteration, extra, rank_rng, optim_state,
+                                   scheduler.state_dict() if scheduler is not None else None)
     elif dp_rank == 0 and cp_rank == 0:
         states = [to_stage_local(m.state_dict(), m.layer_numbers) for m in chunks]  # in memory: global numbers
         payload = rank_payload(states, megatron_args, iteration, extra, rng_state=rank_rng,

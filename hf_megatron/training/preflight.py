@@ -8,7 +8,7 @@ minutes a large model takes to load), on every rank alike, each failing with one
 * --seq-length fits a model with learned absolute positions (rotary models extrapolate);
 * a NullTokenizer's --vocab-size N beside --hf-config / --hf-model: its N + 1 ids fit the model's vocabulary;
 * --save, --tensorboard-dir and --data-cache-path can be folders (no file on their path, writable);
-* --ckpt-format torch_dist: a layout train writes it in (torch_dist_save.unsupported).
+* --ckpt-format torch_dist: not with --use-distributed-optimizer (torch_dist_save.unsupported).
 Batch divisibility is TrainingConfig.num_micro_batches', checked when the global batch is computed.
 """
 from __future__ import annotations
@@ -83,9 +83,8 @@ def check_output_folders(run) -> None:
 
 
 def check_save_format(cfg, run) -> None:
-    """`train --save --ckpt-format torch_dist`: a layout it is written in (one line naming the flags)."""
+    """`train --save --ckpt-format torch_dist`: not with the distributed optimizer (one line naming the flag)."""
     from .torch_dist_save import unsupported
-    why = unsupported(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                      cfg.use_distributed_optimizer) if run.save and run.ckpt_format == "torch_dist" else None
+    why = unsupported(cfg.use_distributed_optimizer) if run.save and run.ckpt_format == "torch_dist" else None
     if why:
         raise ConfigError(why)

@@ -1,18 +1,25 @@
 """Write a training checkpoint as Megatron-LM's `--ckpt-format torch_dist` (megatron-core 0.16.1's
 `dist_checkpointing.save` of what its `save_checkpoint` composes), for a run without the distributed
-optimizer at tp 1, pp 1, one model chunk (any dp: the state is replicated, global rank 0 writes
-it); other layouts are refused in one line (`unsupported`).
+optimizer, one model chunk, any tp, pp and dp.  Every rank of dp rank 0 (cp rank 0) sends its model
+shards, fp32 main weights, Adam moments and RNG list to global rank 0 (`gather_object`), which merges the
+TP shards with the plan that split them (`parallel.sharding.merge_tensor`: concatenation on the split dim,
+SwiGLU fc1 [gate_r; up_r] -> [gate; up], vocab padding cut, then padded again for the run's tp), stacks
+the pipeline stages' layers and writes the folder alone.  Memory: the whole model (weights, and with the
+optimizer its fp32 main weights and two moments) once, on global rank 0's CPU.  The distributed optimizer
+is refused in one line (`unsupported`).
 
 What megatron-core writes for such a run (seen by saving one with it; torch_dist_resume.py reads it):
 
     .metadata, __0_0.distcp   torch.distributed.checkpoint, every tensor once at its global shape
         <model key>                             model.sharded_state_dict(): per-layer params stacked
-                                                [L, ...], vocab tables padded, `_extra_state` [None] objects
+                                                [L, ...], TP shards merged, vocab tables padded for tp,
+                                                `_extra_state` [None] objects (one per layer, any tp)
         optimizer.state.exp_avg.<model key>     Adam's moments (optim_state_to_sharding_state), fp32
         optimizer.state.exp_avg_sq.<model key>
         optimizer.state.fp32_param.<model key>  the fp32 main weight of a bf16 / fp16 param
                                                 (Float16OptimizerWithFloat16Params only)
-        rng_state/shard_0.0_1.1                 ShardedObject on the (pp, tp) grid: [the rng_state list]
+        rng_state/shard_<pp>.<tp>_<PP>.<TP>     ShardedObject on the (pp, tp) grid, one byte entry per cell:
+                                                [that rank's rng_state list] (dp rank 0's: replica 0)
     common.pt   args, checkpoint_version, iteration, opt_param_scheduler, num_floating_point_operations_so_far,
                 content_metadata (Megatron-LM's sharded_sd_metadata), and the optimizer without its tensors:
                     FP32Optimizer:   {"state": {"common_step": step}, "param_groups": [groups without params]}
@@ -21,7 +28,8 @@ What megatron-core writes for such a run (seen by saving one with it; torch_dist
     metadata.json   the backends
 
 The state index k of the optimizer's entry (megatron_optimizer_layout.to_megatron: megatron-core's group
-order) names param `model_params[megatron_order[k]]`, whose sharded key the tensors take.
+order) names param `model_params[megatron_order[k]]`, whose sharded key the tensors take.  The last
+stage's copy of tied word embeddings is stored once, as the embedding (megatron-core's replica of it).
 """
 from __future__ import annotations
 
@@ -29,25 +37,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.torch_dist import global_entries, save_common, save_entries
 from ..checkpoint.writer import CHECKPOINT_VERSION
 from ..parallel import state as parallel_state
+from ..parallel.sharding import merge_tensor
 from .optimizer_state import MOMENTS
+from .tied_embedding import source_name
 from .torch_dist_resume import OPTIMIZER_PREFIX
 # Megatron-LM's _build_sharded_state_dict_metadata without the distributed optimizer
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def unsupported(tp: int, pp: int, distributed_optimizer: bool) -> str | None:
-    """Why a run in this layout cannot save torch_dist (one line naming the flags), or None."""
-    flags = [f"--{flag} {value}" for flag, value in (
-        ("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp)) if value != 1]
-    if distributed_optimizer:
-        flags.append("--use-distributed-optimizer")
-    if not flags:
+def unsupported(distributed_optimizer: bool) -> str | None:
+    """Why a run cannot save torch_dist (one line naming the flag), or None."""
+    if not distributed_optimizer:
         return None
-    return (f"--ckpt-format torch_dist with {' '.join(flags)}: train writes torch_dist only at tp 1, pp 1 without "
+    return ("--ckpt-format torch_dist with --use-distributed-optimizer: train writes torch_dist only without "
             "--use-distributed-optimizer; save with --ckpt-format torch, then `hf-megatron reshard --ckpt-format "
             "torch_dist` (train --load resumes either)")
 
@@ -85,25 +92,61 @@ def _optimizer_entries(chunk, optimizer, sd: dict) -> tuple[dict[str, list], dic
     return tensors, common
 
 
+def _local_parts(chunk, optimizer, optim_state: dict | None) -> tuple[dict[str, dict], dict | None]:
+    """({"model" / state key: {stored name: this rank's shard, on CPU}}, the optimizer's common.pt entry);
+    the last stage's tied copy of the embedding is left out (the first stage's is stored)."""
+    parts = {"model": list(chunk.state_dict().items())}
+    common = None
+    if optim_state is not None:
+        tensors, common = _optimizer_entries(chunk, optimizer, optim_state)
+        parts.update({f"{OPTIMIZER_PREFIX}{key}.": named for key, named in tensors.items()})
+    return {kind: {name: t.detach().to("cpu") for name, t in named if source_name([chunk], name) == name}
+            for kind, named in parts.items()}, common
+
+
+def _gathered(mine) -> list | None:
+    """Every rank's `mine` on global rank 0 (a list in rank order), None elsewhere; one process: [mine]."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [mine]
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    return parts
+
+
 def write_torch_dist_iteration(iter_dir: Path, chunk, optimizer, megatron_args, iteration: int,
                                extra: dict[str, Any], rng_state: list | None, optim_state: dict | None,
                                scheduler_state: dict | None) -> None:
-    """The whole iteration folder (see the module docstring) into `iter_dir` (the staging folder), from
-    this process: `optim_state` is `optimizer.state_dict()` (None: no optimizer state saved), `extra`
-    our entries of a rank file, `rng_state` Megatron-LM's list (None: not saved)."""
+    """The whole iteration folder (see the module docstring) into `iter_dir` (the staging folder).  A
+    collective: every rank calls it, global rank 0 writes.  `optim_state` is `optimizer.state_dict()` (None:
+    no optimizer state saved), `extra` our entries of a rank file, `rng_state` this rank's Megatron-LM list
+    (None: not saved); `megatron_args` / `extra` / `scheduler_state` are global rank 0's."""
     st = parallel_state.get_state()
+    replica = st.coords["dp"] != 0 or st.coords["cp"] != 0  # dp / cp replicas hold the same state
+    mine = None if replica else (st.coords["tp"], st.coords["pp"], *_local_parts(chunk, optimizer, optim_state),
+                                 rng_state)
+    received = _gathered(mine)
+    if received is None:
+        return
     config = chunk.config
-    state = global_entries(config, chunk.state_dict().items(), extra_state=True, where=iter_dir)
+    shards: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    state: dict[str, Any] = {}
+    for tp_rank, pp_rank, parts, _, rng in filter(None, received):
+        for kind, named in parts.items():
+            for name, tensor in named.items():
+                shards.setdefault(kind, {}).setdefault(name, {})[tp_rank] = tensor
+        if rng is not None:  # ShardedObject "rng_state" of shape (pp, tp) at that rank's cell: [its data]
+            state[f"rng_state/shard_{pp_rank}.{tp_rank}_{st.pp}.{st.tp}"] = [rng]
+    for kind, by_name in shards.items():
+        full = ((name, merge_tensor(name, [by_rank[r] for r in sorted(by_rank)], config))
+                for name, by_rank in by_name.items())
+        state.update(global_entries(config, full, st.tp, prefix="" if kind == "model" else kind,
+                                    extra_state=kind == "model", where=iter_dir))
     common: dict[str, Any] = {"args": megatron_args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                               "num_floating_point_operations_so_far": 0,
                               "content_metadata": dict(CONTENT_METADATA)}
     if optim_state is not None:
-        tensors, common["optimizer"] = _optimizer_entries(chunk, optimizer, optim_state)
-        for key, named in tensors.items():
-            state.update(global_entries(config, named, prefix=f"{OPTIMIZER_PREFIX}{key}.", where=iter_dir))
+        common["optimizer"] = mine[3]
     if scheduler_state is not None:
         common["opt_param_scheduler"] = scheduler_state
-    if rng_state is not None:  # ShardedObject "rng_state" of shape (pp, tp) at this rank's cell: [its data]
-        state[f"rng_state/shard_{st.coords['pp']}.{st.coords['tp']}_{st.pp}.{st.tp}"] = [rng_state]
     save_entries(iter_dir, state)
     save_common(iter_dir, {**common, **extra})
