@@ -19,6 +19,7 @@ def _check(results, jobs):
         check_against_reference(arch, [r[j] for r in results], f"{arch} {layout}")
 
 
+@pytest.mark.slow  # 4 processes, ~40 s on CI's 2 cores; its llama tp2 x dp2 + sp + zero job also runs in test_training_parity's
 def test_four_process_tp4_and_tp2_dp2_match_transformers():
     _check(run_distributed(train_layouts, 4, (JOBS_4, make_batches())), JOBS_4)
 

@@ -33,7 +33,8 @@ LOSS_TOL, NORM_TOL, WEIGHT_TOL = 1e-5, 1e-4, 2e-4
 JOBS_2 = [("llama", {"tp": 2, "sp": True}), ("llama", {"dp": 2, "zero": True}), ("llama", {"pp": 2, "vpp": 2}),
           ("gpt2", {"tp": 2}), ("gpt2", {"pp": 2}), ("gpt2", {"dp": 2})]
 JOBS_4 = [("llama", {"tp": 2, "pp": 2, "sp": True}), ("llama", {"pp": 2, "dp": 2}),
-          ("gpt2", {"pp": 2, "dp": 2, "zero": True}), ("gpt2", {"tp": 2, "pp": 2, "vpp": 2, "sp": True})]
+          ("gpt2", {"pp": 2, "dp": 2, "zero": True}), ("gpt2", {"tp": 2, "pp": 2, "vpp": 2, "sp": True}),
+          ("llama", {"tp": 2, "dp": 2, "sp": True, "zero": True})]  # also test_layouts_3d's (slow there)
 
 _REFERENCE = {}
 
