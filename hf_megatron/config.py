@@ -28,6 +28,13 @@ def has_endoftext(vocab: str | Path) -> bool:
         return False
 
 
+def null_tokenizer_eod(tokenizer_type: str | None) -> int:
+    """1 for NullTokenizer, else 0: Megatron-LM's --vocab-size N (args.vocab_size) sizes megatron-core's
+    NullTokenizer, whose ids are 0..N-1 and whose eod is N: N + 1 ids, the vocabulary Megatron-LM pads
+    (shared by the model flags, the checkpoint args and their reader)."""
+    return int(tokenizer_type == "NullTokenizer")
+
+
 def install_hf_reader(reader: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
     """Set the function `ModelConfig.from_hf` uses to read an HF config (hf_megatron.architectures')."""
     global _hf_reader

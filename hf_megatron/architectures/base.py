@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, null_tokenizer_eod
 from .plan import Shard, gpt_plan
 
 Getter = Callable[[str], torch.Tensor]
@@ -288,9 +288,8 @@ class MegatronArgs:
         self.num_layers = self.get("num_layers")
         self.hidden = self.get("hidden_size")
         self.heads = self.get("num_attention_heads")
-        stated = self.get("vocab_size")
-        if stated and self.get("tokenizer_type") == "NullTokenizer":
-            stated += 1  # args.vocab_size is --vocab-size N; megatron-core's NullTokenizer adds its eod N
+        stated = self.get("vocab_size")  # a NullTokenizer's --vocab-size N: N + 1 ids with its eod N
+        stated = stated and stated + null_tokenizer_eod(self.get("tokenizer_type"))
         self.vocab = vocab_size or stated or self.get("padded_vocab_size")
         if not self.vocab:
             raise ConfigError("checkpoint args lack padded_vocab_size; pass the vocabulary size")

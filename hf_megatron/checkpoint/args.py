@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from ..architectures import hf_config_from_megatron_args
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, null_tokenizer_eod
 from ..config import has_endoftext as _has_endoftext
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -110,12 +110,6 @@ def megatron_lm_rope_difference(c: ModelConfig) -> str | None:
     other = [f"{key} {rope.get(key)!r}" for key, value in MEGATRON_LM_LLAMA3_ROPE.items()
              if not isinstance(rope.get(key), (int, float)) or float(rope[key]) != value]
     return "llama3 " + ", ".join(other) if other else None
-
-
-def null_tokenizer_eod(tokenizer_type: str | None) -> int:
-    """1 for NullTokenizer, else 0: Megatron-LM's args.vocab_size is its --vocab-size N, and
-    megatron-core's NullTokenizer makes that N + 1 ids (its eod is N) -- the vocabulary it pads."""
-    return int(tokenizer_type == "NullTokenizer")
 
 
 _Value = Callable[[ModelConfig, Layout], Any]

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import null_tokenizer_eod
 from ..errors import ConfigError
 from .config_fields import flag_of, option
 
@@ -119,9 +120,9 @@ class ModelFlags:
         ffn = self.ffn_hidden_size
         if ffn is None:
             ffn = int((4 * self.hidden_size * 2 / 3) / 64) * 64 if self.swiglu else 4 * self.hidden_size
-        vocab = self.vocab_size or vocab_size
-        if self.vocab_size and getattr(self, "tokenizer_type", None) == "NullTokenizer":
-            vocab = self.vocab_size + 1  # megatron-core's NullTokenizer: ids 0..N-1 and its eod N
+        # megatron-core's NullTokenizer: --vocab-size N gives ids 0..N-1 and its eod N
+        vocab = self.vocab_size + null_tokenizer_eod(getattr(self, "tokenizer_type", None)) if self.vocab_size \
+            else vocab_size
         if not vocab:
             raise ConfigError("RunConfig.vocab_size (--vocab-size): the model flags need the vocabulary: give "
                               "--vocab-size N or --tokenizer-model with a tokenizer")
