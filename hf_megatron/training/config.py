@@ -339,7 +339,7 @@ class RunConfig(ModelFlags):
     ckpt_format: str = option(
         "torch", group="checkpointing and logging", choices=CKPT_FORMATS,
         help="format of the checkpoints --save writes: Megatron-LM's torch (mp_rank_* files) or torch_dist "
-             "(megatron-core's distributed checkpoint; tp 1, pp 1, no --use-distributed-optimizer); --load "
+             "(megatron-core's distributed checkpoint; not with --use-distributed-optimizer); --load "
              "reads torch and torch_dist checkpoints whatever this is")
     no_save_optim: bool = option(False, group="checkpointing and logging",
                                  help="save no optimizer state and LR schedule (as Megatron-LM: resuming the "

@@ -182,11 +182,11 @@ def check_flags_match_checkpoint(flags_config, checkpoint_config, folder, resume
             continue
         given, saved = FIELDS[name](flags_config, layout), FIELDS[name](checkpoint_config, layout)
         if given != saved and not (name == "vocab_size" and _same_padded_vocab(flags_config, checkpoint_config)):
-            if given_by:
-                raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, {given_by} makes it {given}; "
-                                  "the checkpoint defines the model: drop --hf-config or give it the checkpoint's values")
-            raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, the model flags make it {given} "
-                              f"({flag}); the checkpoint defines the model: drop the model flags or give its values")
+            source, fix = ((f"{given_by} makes it {given}", "drop --hf-config or give it the checkpoint's values")
+                           if given_by else (f"the model flags make it {given} ({flag})",
+                                             "drop the model flags or give its values"))
+            raise ConfigError(f"--load {folder}: the checkpoint's {name} is {saved}, {source}; the checkpoint defines "
+                              f"the model: {fix}")
 
 
 def hf_config_of_flags(run, vocab_size: int | None) -> dict[str, Any]:
